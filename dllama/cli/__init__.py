@@ -1,0 +1,58 @@
+"""The `dllama` command. Subcommands live in their own modules and are imported only when used,
+so `dllama worker` on a Raspberry Pi never imports the root's dependencies."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from ..errors import DllamaError
+
+SUBCOMMANDS = {
+    "worker": "dllama.cli.worker_cmd:worker",
+    "inference": "dllama.cli.generate_cmd:inference",
+    "chat": "dllama.cli.generate_cmd:chat",
+    "perplexity": "dllama.cli.generate_cmd:perplexity",
+    "serve": "dllama.cli.serve_cmd:serve",
+    "bench-sync": "dllama.cli.bench_sync_cmd:bench_sync",
+    "models": "dllama.cli.models_cmd:models",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(name for name, target in SUBCOMMANDS.items() if _module_exists(target))
+
+    def get_command(self, ctx, name):
+        target = SUBCOMMANDS.get(name)
+        if target is None or not _module_exists(target):
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+def _module_exists(target: str) -> bool:
+    return importlib.util.find_spec(target.split(":")[0]) is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """dllama: run one LLM across several weak machines (tensor parallelism over TCP)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user-facing errors become one line on stderr and a non-zero exit."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except DllamaError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

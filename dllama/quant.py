@@ -1,0 +1,145 @@
+"""Weight formats held natively in RAM, as a small typed table (in the spirit of gguf-py).
+
+A quantized matrix is a uint8 array of shape (rows, row_bytes): each row is a run of blocks of
+32 values in GGML's byte layout, exactly as in the GGUF file. Keeping the file layout means a
+weight slice for a worker is a plain byte range, and the 1-node engine can run straight off the
+memory map. F16/F32 matrices are plain (rows, cols) arrays.
+
+Each format has a numpy reference quantizer and dequantizer here; the numba kernels in
+`dllama.kernels` are checked against them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGML
+
+
+class QType(enum.IntEnum):
+    """Native formats; values are GGML's type ids so they round-trip through GGUF unchanged."""
+
+    F32 = int(GGML.F32)
+    F16 = int(GGML.F16)
+    Q4_0 = int(GGML.Q4_0)
+    Q4_1 = int(GGML.Q4_1)
+    Q8_0 = int(GGML.Q8_0)
+
+
+@dataclass(frozen=True)
+class Format:
+    qtype: QType
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+
+    def row_bytes(self, cols: int) -> int:
+        if cols % self.block_size:
+            raise ValueError(f"{self.qtype.name}: row length {cols} is not a multiple of {self.block_size}")
+        return cols // self.block_size * self.block_bytes
+
+
+FORMATS: dict[QType, Format] = {
+    QType.F32: Format(QType.F32, 1, 4),
+    QType.F16: Format(QType.F16, 1, 2),
+    QType.Q4_0: Format(QType.Q4_0, 32, 18),  # f16 d, 16 bytes of nibbles: v = (q - 8) * d
+    QType.Q4_1: Format(QType.Q4_1, 32, 20),  # f16 d, f16 m, 16 bytes of nibbles: v = q * d + m
+    QType.Q8_0: Format(QType.Q8_0, 32, 34),  # f16 d, 32 int8: v = q * d
+}
+
+QK = 32  # block size of every quantized native format
+
+# GGUF types we convert on load, and the native format each becomes (the nearest in precision).
+REQUANT_TARGET: dict[int, QType] = {
+    int(GGML.BF16): QType.F16,
+    int(GGML.Q5_0): QType.Q8_0,
+    int(GGML.Q5_1): QType.Q8_0,
+    int(GGML.Q8_1): QType.Q8_0,
+    int(GGML.Q2_K): QType.Q4_1,
+    int(GGML.Q3_K): QType.Q4_1,
+    int(GGML.Q4_K): QType.Q4_1,
+    int(GGML.Q5_K): QType.Q8_0,
+    int(GGML.Q6_K): QType.Q8_0,
+    int(GGML.Q8_K): QType.Q8_0,
+}
+
+
+def _split_blocks(data: np.ndarray, fmt: Format) -> np.ndarray:
+    """(rows, row_bytes) uint8 -> (rows, n_blocks, block_bytes)."""
+    rows = data.shape[0]
+    return data.reshape(rows, -1, fmt.block_bytes)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The f16 field at byte `offset` of every block, as float32."""
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """Reference dequantizer: native (rows, row_bytes) -> float32 (rows, cols)."""
+    qtype = QType(qtype)
+    if qtype == QType.F32:
+        return np.asarray(data, dtype=np.float32)
+    if qtype == QType.F16:
+        return np.asarray(data).astype(np.float32)
+    fmt = FORMATS[qtype]
+    blocks = _split_blocks(np.asarray(data, dtype=np.uint8), fmt)
+    d = _f16(blocks, 0)[..., None]
+    if qtype == QType.Q8_0:
+        q = blocks[..., 2:].view(np.int8).astype(np.float32)
+        return (q * d).reshape(data.shape[0], -1)
+    qs_start = 2 if qtype == QType.Q4_0 else 4
+    qs = blocks[..., qs_start:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles first
+    if qtype == QType.Q4_0:
+        out = (q - 8.0) * d
+    else:
+        out = q * d + _f16(blocks, 2)[..., None]
+    return out.reshape(data.shape[0], -1)
+
+
+def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
+    """Reference quantizer (GGML's *_ref rounding): float (rows, cols) -> native layout."""
+    qtype = QType(qtype)
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    if qtype == QType.F32:
+        return x.copy()
+    if qtype == QType.F16:
+        return x.astype(np.float16)
+    fmt = FORMATS[qtype]
+    rows, cols = x.shape
+    fmt.row_bytes(cols)  # validates the length
+    xb = x.reshape(rows, cols // QK, QK)
+    if qtype == QType.Q8_0:
+        amax = np.abs(xb).max(axis=-1)
+        d = amax / 127.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        q = np.round(xb * inv[..., None]).astype(np.int8)  # rint: GGML's SIMD paths round half to even
+        head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+        return np.concatenate([head, q.view(np.uint8)], axis=-1).reshape(rows, -1)
+    if qtype == QType.Q4_0:
+        # GGML picks the signed extreme so that it maps to -8 exactly.
+        idx = np.abs(xb).argmax(axis=-1)
+        vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+        d = vmax / -8.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        q = np.minimum(15, (xb * inv[..., None] + 8.5).astype(np.int32)).astype(np.uint8)
+        head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    else:  # Q4_1
+        vmin = xb.min(axis=-1)
+        vmax = xb.max(axis=-1)
+        d = (vmax - vmin) / 15.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        q = np.minimum(15, ((xb - vmin[..., None]) * inv[..., None] + 0.5).astype(np.int32)).astype(np.uint8)
+        head = np.concatenate(
+            [d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
+             vmin.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate([head, packed], axis=-1).reshape(rows, -1)
+
+
+def nbytes(qtype: QType, rows: int, cols: int) -> int:
+    return rows * FORMATS[QType(qtype)].row_bytes(cols)
