@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
 
 
@@ -50,19 +51,15 @@ FORMATS: dict[QType, Format] = {
 
 QK = 32  # block size of every quantized native format
 
-# GGUF types we convert on load, and the native format each becomes (the nearest in precision).
-REQUANT_TARGET: dict[int, QType] = {
-    int(GGML.BF16): QType.F16,
-    int(GGML.Q5_0): QType.Q8_0,
-    int(GGML.Q5_1): QType.Q8_0,
-    int(GGML.Q8_1): QType.Q8_0,
-    int(GGML.Q2_K): QType.Q4_1,
-    int(GGML.Q3_K): QType.Q4_1,
-    int(GGML.Q4_K): QType.Q4_1,
-    int(GGML.Q5_K): QType.Q8_0,
-    int(GGML.Q6_K): QType.Q8_0,
-    int(GGML.Q8_K): QType.Q8_0,
-}
+def requant_target(ggml_type: int) -> QType:
+    """The native format a non-native GGUF type is converted to on load: the nearest one that
+    loses no precision against it (up to 5 bits/weight -> Q4_1, more -> Q8_0, BF16 -> F16)."""
+    if ggml_type == GGML.BF16:
+        return QType.F16
+    if ggml_type == GGML.F64:
+        return QType.F32
+    block_size, type_size = GGML_QUANT_SIZES[GGML(ggml_type)]
+    return QType.Q4_1 if type_size * 8 / block_size <= 5.0 else QType.Q8_0
 
 
 def _split_blocks(data: np.ndarray, fmt: Format) -> np.ndarray:

@@ -1,154 +1,120 @@
-"""Quantized matrix-vector / matrix-matrix products, numba kernels beside their numpy reference.
+"""Quantized matrix products, numba kernels beside their numpy reference.
 
-As in llama.cpp, the activation side is quantized per 32-block to 8 bits (Q8_0 for Q4_0/Q8_0
-weights, Q8_1 - Q8_0 plus a precomputed d*sum - for Q4_1), so the inner loop is an integer dot
-product of one weight block with one activation block; the scales are applied once per block.
-Scales are f16 in the file; numba has no f16, so they go through a 64 Ki-entry lookup table
-(llama.cpp does the same on CPUs without F16C).
+As in llama.cpp, the activations are quantized per 32-block to 8 bits (GGML's Q8_0 / Q8_1:
+int8 values, an f16 scale d and, for Q4_1, the f16 product d*sum(q)), so the inner loop is an
+integer dot of one weight block with one activation block (`simd.py`) and scales are applied
+once per block. The block dot products and their float accumulation order are in `simd.py`.
 
-`matmul(w, x)` takes x of shape (T, cols) and returns (T, rows): T = 1 is the decode matvec,
-T > 1 the batched prefill, where each weight block is loaded once and used for every token.
+`matmul(w, qtype, x)` takes x of shape (T, cols) and returns (T, rows): T = 1 is the decode
+matvec, T > 1 the batched prefill, where each weight row is read once for all T tokens.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType
+from .simd import dot_f16_f16, dot_q4_0_q8, dot_q4_1_q8, dot_q8_0_q8
 
+CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-def _round_f16(a: np.ndarray) -> np.ndarray:
+def round_f16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).astype(np.float32)
 
 
-# ---------------------------------------------------------------- activation quantization
+# ------------------------------------------------------------------ activation quantization
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _quantize_q8(x, xq, xd, xsum):
-    """Per 32-block: d = amax/127, q = round_half_even(x * 127/amax); xsum = d * sum(q)."""
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _quantize_q8(x, xq, xd, xds):
     T, cols = x.shape
-    nb = cols // 32
     for t in prange(T):
-        for b in range(nb):
+        for b in range(cols // 32):
             o = b * 32
             amax = np.float32(0.0)
             for j in range(32):
-                v = abs(x[t, o + j])
-                if v > amax:
-                    amax = v
-            d = amax / np.float32(127.0)
+                amax = max(amax, abs(x[t, o + j]))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
             s = 0
             for j in range(32):
-                q = np.int32(np.rint(x[t, o + j] * inv))
+                q = np.int32(np.rint(x[t, o + j] * inv))  # round half to even, as GGML's SIMD path
                 xq[t, o + j] = q
                 s += q
+            d = amax / np.float32(127.0)
             xd[t, b] = d
-            xsum[t, b] = d * np.float32(s)
+            xds[t, b] = d * np.float32(s)  # in f32, as GGML, before rounding to f16
 
 
-def quantize_activations(x: np.ndarray):
-    """x (T, cols) f32 -> (q int8 (T, cols), d (T, nb), d*sum(q) (T, nb)), scales rounded to f16
-    as GGML's block_q8_0 / block_q8_1 store them."""
-    T, cols = x.shape
-    xq = np.empty((T, cols), np.int8)
-    xd = np.empty((T, cols // QK), np.float32)
-    xs = np.empty((T, cols // QK), np.float32)
-    _quantize_q8(x, xq, xd, xs)
-    return xq, _round_f16(xd), _round_f16(xs)
+class Q8Activations:
+    """x (T, cols) quantized to Q8 per 32-block: q int8, d (rounded to f16), ds = d*sum(q)
+    (rounded to f16: GGML's block_q8_1 s field, which Q4_1's dot product needs)."""
+
+    __slots__ = ("q", "d", "ds")
+
+    def __init__(self, q, d, ds):
+        self.q, self.d, self.ds = q, d, ds
+
+    @classmethod
+    def quantize(cls, x: np.ndarray) -> "Q8Activations":
+        T, cols = x.shape
+        q = np.empty((T, cols), np.int8)
+        d = np.empty((T, cols // QK), np.float32)
+        ds = np.empty((T, cols // QK), np.float32)
+        _quantize_q8(x, q, d, ds)
+        return cls(q, round_f16(d), round_f16(ds))
+
+    @classmethod
+    def quantize_ref(cls, x: np.ndarray) -> "Q8Activations":
+        T, cols = x.shape
+        xb = x.reshape(T, -1, QK).astype(np.float32)
+        amax = np.abs(xb).max(axis=-1)
+        inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax != 0)
+        q = np.rint(xb * inv[..., None]).astype(np.int8)
+        d = amax / np.float32(127.0)
+        total = q.astype(np.int32).sum(axis=-1).astype(np.float32)
+        return cls(q.reshape(T, cols), round_f16(d), round_f16(d * total))
 
 
-def quantize_activations_ref(x: np.ndarray):
-    T, cols = x.shape
-    xb = x.reshape(T, -1, QK).astype(np.float32)
-    amax = np.abs(xb).max(axis=-1)
-    d = amax / np.float32(127.0)
-    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax != 0)
-    q = np.rint(xb * inv[..., None]).astype(np.int8)
-    s = d * q.astype(np.int32).sum(axis=-1).astype(np.float32)
-    return q.reshape(T, cols), _round_f16(d), _round_f16(s)
+# ------------------------------------------------------------------ kernels
+# out[t, r] = dot(row r of w, activation t). prange over rows: the weights are the big operand,
+# and each row is read once for all T tokens.
+
+_Q4_0, _Q4_1, _Q8_0 = 0, 1, 2
 
 
-# ---------------------------------------------------------------- kernels, one per format
-# Each kernel computes out[t, r] = dot(row r of w, activation t) for all t, r.
-# prange runs over rows (weights are the big operand); tokens are the inner loop so each
-# weight block is read from memory once per call.
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _mm_q4_0(w, xq, xd, tbl, out):
-    rows = w.shape[0]
-    T, nb = xd.shape
-    for r in prange(rows):
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_quant(w, fmt, xq, xd, xds, out):
+    T = xq.shape[0]
+    for r in prange(w.shape[0]):
         for t in range(T):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 18
-                d = tbl[np.int32(w[r, o]) | (np.int32(w[r, o + 1]) << 8)]
-                xo = b * 32
-                isum = np.int32(0)
-                for j in range(16):
-                    q = np.int32(w[r, o + 2 + j])
-                    isum += ((q & 15) - 8) * np.int32(xq[t, xo + j]) + ((q >> 4) - 8) * np.int32(xq[t, xo + j + 16])
-                acc += d * xd[t, b] * np.float32(isum)
-            out[t, r] = acc
+            if fmt == _Q4_1:
+                out[t, r] = dot_q4_1_q8(w, r, xq, xd, xds, t)
+            elif fmt == _Q4_0:
+                out[t, r] = dot_q4_0_q8(w, r, xq, xd, xds, t)
+            else:
+                out[t, r] = dot_q8_0_q8(w, r, xq, xd, xds, t)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _mm_q4_1(w, xq, xd, xs, tbl, out):
-    rows = w.shape[0]
-    T, nb = xd.shape
-    for r in prange(rows):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 20
-                d = tbl[np.int32(w[r, o]) | (np.int32(w[r, o + 1]) << 8)]
-                m = tbl[np.int32(w[r, o + 2]) | (np.int32(w[r, o + 3]) << 8)]
-                xo = b * 32
-                isum = np.int32(0)
-                for j in range(16):
-                    q = np.int32(w[r, o + 4 + j])
-                    isum += (q & 15) * np.int32(xq[t, xo + j]) + (q >> 4) * np.int32(xq[t, xo + j + 16])
-                acc += d * xd[t, b] * np.float32(isum) + m * xs[t, b]
-            out[t, r] = acc
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _mm_q8_0(w, xq, xd, tbl, out):
-    rows = w.shape[0]
-    T, nb = xd.shape
-    for r in prange(rows):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 34
-                d = tbl[np.int32(w[r, o]) | (np.int32(w[r, o + 1]) << 8)]
-                xo = b * 32
-                isum = np.int32(0)
-                for j in range(32):
-                    isum += np.int32(np.int8(w[r, o + 2 + j])) * np.int32(xq[t, xo + j])
-                acc += d * xd[t, b] * np.float32(isum)
-            out[t, r] = acc
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _mm_f16(w, x, tbl, out):
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_f16(w, x16, tbl, out):
     rows, cols = w.shape
-    T = x.shape[0]
+    T = x16.shape[0]
+    row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
+    vec_end = cols - cols % 8
     for r in prange(rows):
         for t in range(T):
-            acc = np.float32(0.0)
-            for c in range(cols):
-                acc += tbl[w[r, c]] * x[t, c]
+            acc = dot_f16_f16(w, r * row_stride, x16, t * cols, vec_end)
+            for c in range(vec_end, cols):
+                acc += tbl[w[r, c]] * tbl[x16[t, c]]
             out[t, r] = acc
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@njit(parallel=True, nogil=True, cache=CACHE, fastmath=True)
 def _mm_f32(w, x, out):
     rows, cols = w.shape
     T = x.shape[0]
@@ -160,58 +126,78 @@ def _mm_f32(w, x, out):
             out[t, r] = acc
 
 
-def matmul(w_data: np.ndarray, qtype: QType, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """y = x @ W.T for a native-format W (rows, cols) and activations x (T, cols) float32."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        return matmul(w_data, qtype, x[None, :], None if out is None else out[None, :])[0]
-    rows = w_data.shape[0]
+_QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0}
+
+
+class Activations:
+    """Activations x (T, cols) float32, with the forms the kernels read computed once on first
+    use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
+
+    __slots__ = ("x", "_q8", "_f16")
+
+    def __init__(self, x: np.ndarray):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.x = x[None, :] if x.ndim == 1 else x
+        self._q8 = self._f16 = None
+
+    @property
+    def q8(self) -> Q8Activations:
+        if self._q8 is None:
+            self._q8 = Q8Activations.quantize(self.x)
+        return self._q8
+
+    @property
+    def f16_bits(self) -> np.ndarray:  # GGML converts the activations to f16 for an f16 weight
+        if self._f16 is None:
+            self._f16 = self.x.astype(np.float16).view(np.uint16)
+        return self._f16
+
+
+def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None) -> np.ndarray:
+    """out = x @ W.T for W (rows, cols) in a native format; x is (T, cols) or (cols,) float32, or
+    an `Activations`. The result is (T, rows), or (rows,) for a 1-D x."""
+    if not isinstance(x, Activations):
+        if np.ndim(x) == 1:
+            return matmul(w, qtype, Activations(x), None if out is None else out[None, :])[0]
+        x = Activations(x)
     if out is None:
-        out = np.empty((x.shape[0], rows), np.float32)
-    if qtype == QType.F32:
-        _mm_f32(w_data, x, out)
+        out = np.empty((x.x.shape[0], w.shape[0]), np.float32)
+    if qtype in _QUANT_KERNEL:
+        a = x.q8
+        _mm_quant(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
     elif qtype == QType.F16:
-        # GGML converts the activations to f16 for an f16 weight.
-        _mm_f16(w_data.view(np.uint16), _round_f16(x), F16_TO_F32, out)
+        _mm_f16(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)
+    elif qtype == QType.F32:
+        _mm_f32(w, x.x, out)
     else:
-        xq, xd, xs = quantize_activations(x)
-        if qtype == QType.Q4_1:
-            _mm_q4_1(w_data, xq, xd, xs, F16_TO_F32, out)
-        elif qtype == QType.Q4_0:
-            _mm_q4_0(w_data, xq, xd, F16_TO_F32, out)
-        elif qtype == QType.Q8_0:
-            _mm_q8_0(w_data, xq, xd, F16_TO_F32, out)
-        else:
-            raise ValueError(f"no kernel for {qtype!r}")
+        raise ValueError(f"no kernel for {QType(qtype).name}")
     return out
 
 
-def matmul_ref(w_data: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
-    """numpy reference of `matmul`: the same activation quantization, then exact block sums."""
+def matmul_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
+    """numpy reference of `matmul`: the same activation quantization, exact integer block dots,
+    scales applied in float64."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float32))
     qtype = QType(qtype)
     if qtype == QType.F32:
-        return (x.astype(np.float64) @ w_data.astype(np.float64).T).astype(np.float32)
+        return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
     if qtype == QType.F16:
-        return (_round_f16(x).astype(np.float64) @ w_data.astype(np.float64).T).astype(np.float32)
+        return (round_f16(x).astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
     fmt = FORMATS[qtype]
-    rows = w_data.shape[0]
-    blocks = w_data.reshape(rows, -1, fmt.block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # (rows, nb)
-    # integer weight values per block, without the scale (and for Q4_0 centred at 0)
+    blocks = w.reshape(w.shape[0], -1, fmt.block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     if qtype == QType.Q8_0:
         wq = blocks[..., 2:].view(np.int8).astype(np.int64)
     else:
-        qs = blocks[..., 2:] if qtype == QType.Q4_0 else blocks[..., 4:]
-        wq = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+        packed = blocks[..., 2:] if qtype == QType.Q4_0 else blocks[..., 4:]
+        wq = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int64)
         if qtype == QType.Q4_0:
             wq -= 8
-    xq, xd, xs = quantize_activations_ref(x)
-    T = x.shape[0]
-    xqb = xq.reshape(T, -1, QK).astype(np.int64)
-    isum = np.einsum("rbj,tbj->trb", wq, xqb)  # exact integer block dots
-    out = (isum * d[None] * xd[:, None, :].astype(np.float64)).sum(-1)
+    a = Q8Activations.quantize_ref(x)
+    xq = a.q.reshape(x.shape[0], -1, QK).astype(np.int64)
+    isum = np.einsum("rbj,tbj->trb", wq, xq)
+    out = (isum * d[None] * a.d[:, None, :].astype(np.float64)).sum(-1)
     if qtype == QType.Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-        out += (m[None] * xs[:, None, :].astype(np.float64)).sum(-1)
+        out += (m[None] * a.ds[:, None, :].astype(np.float64)).sum(-1)
     return out.astype(np.float32)

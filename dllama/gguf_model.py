@@ -1,0 +1,159 @@
+"""Open a GGUF file (memory-mapped through gguf-py): the model's config and its weight matrices.
+
+Native-format tensors are returned as views into the file map, so loading costs no copy; other
+GGUF types are dequantized by gguf-py and re-quantized to the nearest native format a few rows
+at a time, so a tensor is never expanded to f32 as a whole.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGML
+from gguf import GGUFReader
+from gguf import quants as gguf_quants
+
+from .config import ModelConfig
+from .errors import ModelError
+from .quant import QType, quantize, requant_target
+from .weights import Matrix
+
+SUPPORTED_ARCHS = {"llama": False, "mistral": False}  # arch -> uses NeoX-style RoPE
+_REQUANT_ROWS = 256  # rows converted at a time for non-native types
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class GGUFModel:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise ModelError(f"model file not found: {self.path}")
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # gguf-py raises ValueError/struct errors on a non-GGUF file
+            raise ModelError(f"not a readable GGUF file: {self.path} ({e})") from None
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._read_config()
+
+    # ------------------------------------------------------------------ metadata
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def _read_config(self) -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelError(f"unsupported model architecture {arch!r} in {self.path} "
+                             f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+
+        def need(key):
+            value = self.field(f"{arch}.{key}")
+            if value is None:
+                raise ModelError(f"{self.path}: missing metadata {arch}.{key}")
+            return value
+
+        dim = int(need("embedding_length"))
+        n_heads = int(need("attention.head_count"))
+        n_kv_heads = int(self.field(f"{arch}.attention.head_count_kv", n_heads))
+        head_dim = int(self.field(f"{arch}.attention.key_length", dim // n_heads))
+        vocab = self.field(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if n_heads % n_kv_heads:
+            raise ModelError(f"{self.path}: {n_heads} heads do not divide into {n_kv_heads} KV heads")
+        return ModelConfig(
+            arch=arch,
+            dim=dim,
+            n_layers=int(need("block_count")),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            ffn_dim=int(need("feed_forward_length")),
+            vocab_size=int(vocab),
+            context_length=int(self.field(f"{arch}.context_length", 2048)),
+            rope_base=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_dims=int(self.field(f"{arch}.rope.dimension_count", head_dim)),
+            rope_neox=SUPPORTED_ARCHS[arch],
+            norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tied_embeddings="output.weight" not in self._tensors,
+            bos_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_id=self.field("tokenizer.ggml.eos_token_id"),
+        )
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        return self.field("tokenizer.chat_template")
+
+    # ------------------------------------------------------------------ tensors
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def matrix(self, name: str) -> Matrix:
+        """A 2-D weight in a native format (a view into the file where the format is native)."""
+        t = self._get(name)
+        if len(t.shape) != 2:
+            raise ModelError(f"{self.path}: tensor {name} is not a matrix (shape {list(t.shape)})")
+        cols, rows = int(t.shape[0]), int(t.shape[1])  # GGUF lists the innermost dimension first
+        ggml_type = int(t.tensor_type)
+        data = t.data.reshape(rows, -1)
+        if ggml_type in QType._value2member_map_:
+            return Matrix(QType(ggml_type), rows, cols, data)
+        target = self._requant_target(name, ggml_type)
+        chunks = [quantize(self._dequantize(name, data[r:r + _REQUANT_ROWS], ggml_type), target)
+                  for r in range(0, rows, _REQUANT_ROWS)]
+        return Matrix(target, rows, cols, np.concatenate(chunks))
+
+    def vector(self, name: str) -> np.ndarray:
+        """A 1-D weight (a norm's scale, RoPE frequency factors) as float32."""
+        t = self._get(name)
+        ggml_type = int(t.tensor_type)
+        if ggml_type == GGML.F32:
+            return np.asarray(t.data, np.float32).reshape(-1)
+        return self._dequantize(name, np.asarray(t.data), ggml_type).astype(np.float32).reshape(-1)
+
+    def _get(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: tensor {name} is missing")
+        return t
+
+    def _requant_target(self, name: str, ggml_type: int) -> QType:
+        try:
+            return requant_target(ggml_type)
+        except (KeyError, ValueError):
+            raise ModelError(f"{self.path}: tensor {name} has unsupported type {_type_name(ggml_type)}") from None
+
+    def _dequantize(self, name: str, data: np.ndarray, ggml_type: int) -> np.ndarray:
+        try:
+            return gguf_quants.dequantize(data, GGML(ggml_type))
+        except Exception:
+            raise ModelError(f"{self.path}: tensor {name} has unsupported type {_type_name(ggml_type)}") from None
+
+    def rope_freq_factors(self) -> np.ndarray | None:
+        return self.vector("rope_freqs.weight") if self.has("rope_freqs.weight") else None
+
+    def layer_name(self, layer: int, part: str) -> str:
+        return f"blk.{layer}.{part}.weight"
+
+    @property
+    def lm_head_name(self) -> str:
+        return "token_embd.weight" if self.config.tied_embeddings else "output.weight"
+
+    @property
+    def file_size(self) -> int:
+        return os.path.getsize(self.path)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return GGML(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"

@@ -1,0 +1,238 @@
+"""Transformer ops: RMSNorm, RoPE, SiLU-gate, causal attention over an f16 KV cache.
+
+Each numba kernel has a numpy reference `*_ref` beside it. Numerics follow llama.cpp's CPU path
+where that changes results: RMSNorm sums squares in double; RoPE angles are built by repeated
+f32 multiplication; exp is GGML's polynomial; the KV cache is f16, queries and softmax weights are
+rounded to f16 before meeting it, dot products run on 8 lanes, the softmax sums groups of 8 in
+double.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .matmul import CACHE, round_f16
+from .simd import dot_f16_f16, f16_bits, f32_bits, f32_from_bits, fma, hsum8
+
+# ------------------------------------------------------------------ RMSNorm
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _rmsnorm(x, weight, eps, out):
+    T, n = x.shape
+    for t in prange(T):
+        total = 0.0
+        for i in range(n):
+            total += np.float64(x[t, i] * x[t, i])
+        scale = np.float32(1.0) / np.sqrt(np.float32(total / n) + eps)
+        for i in range(n):
+            out[t, i] = (x[t, i] * scale) * weight[i]
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    out = np.empty_like(x)
+    _rmsnorm(x, weight, np.float32(eps), out)
+    return out
+
+
+def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    mean = (x.astype(np.float64) ** 2).mean(axis=-1, keepdims=True).astype(np.float32)
+    return (x * (np.float32(1.0) / np.sqrt(mean + np.float32(eps)))) * weight
+
+
+# ------------------------------------------------------------------ RoPE
+
+
+@njit(nogil=True, cache=CACHE)
+def _rope_angles(pos, n_dims, base, freq_factors):
+    """cos/sin table (T, n_dims/2) for the given positions, as GGML builds it."""
+    half = n_dims // 2
+    theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_dims))
+    cos = np.empty((pos.shape[0], half), np.float32)
+    sin = np.empty((pos.shape[0], half), np.float32)
+    for t in range(pos.shape[0]):
+        theta = np.float32(pos[t])
+        for i in range(half):
+            angle = theta / freq_factors[i]
+            cos[t, i] = np.cos(angle)
+            sin[t, i] = np.sin(angle)
+            theta *= theta_scale
+    return cos, sin
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _rope(x, cos, sin, neox):
+    T, H, _ = x.shape
+    half = cos.shape[1]
+    for job in prange(T * H):
+        t, h = job // H, job % H
+        for i in range(half):
+            # normal style rotates adjacent pairs; NeoX style pairs i with i + n_dims/2
+            a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[t, h, a], x[t, h, b]
+            # GGML's C code is compiled with FMA contraction: its products fuse this way
+            x[t, h, a] = fma(x0, cos[t, i], -(x1 * sin[t, i]))
+            x[t, h, b] = fma(x0, sin[t, i], x1 * cos[t, i])
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
+         freq_factors: np.ndarray | None = None) -> None:
+    """Rotate x (T, heads, head_dim) in place; dims past n_dims are left as they are."""
+    if freq_factors is None:
+        freq_factors = np.ones(n_dims // 2, np.float32)
+    cos, sin = _rope_angles(np.asarray(pos, np.int64), n_dims, np.float32(base), freq_factors)
+    _rope(x, cos, sin, neox)
+
+
+def rope_ref(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
+             freq_factors: np.ndarray | None = None) -> np.ndarray:
+    half = n_dims // 2
+    ff = np.ones(half, np.float32) if freq_factors is None else freq_factors
+    theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_dims))
+    # theta_i = pos * theta_scale^i, accumulated in f32 step by step like GGML
+    acc = np.asarray(pos, np.float32).copy()
+    angles = np.empty((len(pos), half), np.float32)
+    for i in range(half):
+        angles[:, i] = acc / ff[i]
+        acc = (acc * theta_scale).astype(np.float32)
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    y = x.copy()
+    if neox:
+        x0, x1 = x[..., :half], x[..., half:n_dims]
+        y[..., :half], y[..., half:n_dims] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    else:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        y[..., 0:n_dims:2], y[..., 1:n_dims:2] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return y
+
+
+# ------------------------------------------------------------------ exp, as GGML computes it
+
+_EXP_SHIFT = np.float32(float.fromhex("0x1.8p23"))
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_P0 = np.float32(float.fromhex("0x1.0e4020p-7"))
+_P1 = np.float32(float.fromhex("0x1.573e2ep-5"))
+_P2 = np.float32(float.fromhex("0x1.555e66p-3"))
+_P3 = np.float32(float.fromhex("0x1.fffdb6p-2"))
+_P4 = np.float32(float.fromhex("0x1.ffffecp-1"))
+_ONE_BITS = np.int32(0x3F800000)
+_SCALE_BITS = np.int32(0x7F000000)
+_NEG_BITS = np.int32(-0x7E000000)  # 0x82000000
+
+
+@njit(nogil=True, cache=CACHE)
+def expf(x):
+    """exp(x) in float32 by GGML's vectorized approximation (ggml_v_expf), lane by lane: range
+    reduction by ln 2, a degree-5 polynomial, and the exponent put in through the float's bits.
+    Softmax and SiLU use it, so matching it keeps attention weights equal to llama.cpp's."""
+    z = fma(x, _LOG2E, _EXP_SHIFT)
+    n = z - _EXP_SHIFT
+    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+    e = np.int32(f32_bits(z) << 23)
+    k = f32_from_bits(np.int32(e + _ONE_BITS))
+    u = b * b
+    j = fma(fma(fma(_P0, b, _P1), u, fma(_P2, b, _P3)), u, _P4 * b)
+    if not abs(n) > 126:
+        return fma(j, k, k)
+    g = _NEG_BITS if n <= 0 else np.int32(0)
+    s1 = f32_from_bits(np.int32(g + _SCALE_BITS))
+    if abs(n) > 192:
+        return s1 * s1
+    s2 = f32_from_bits(np.int32(e - g))
+    return fma(s2, j, s2) * s1
+
+
+def expf_ref(x: np.ndarray) -> np.ndarray:
+    return np.exp(x.astype(np.float64)).astype(np.float32)
+
+
+# ------------------------------------------------------------------ SiLU gate
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _silu_mul(gate, up, out):
+    T, n = gate.shape
+    for t in prange(T):
+        for i in range(n):
+            g = gate[t, i]
+            out[t, i] = g / (np.float32(1.0) + expf(np.float32(0.0) - g)) * up[t, i]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up, elementwise (the SwiGLU feed-forward's gate)."""
+    out = np.empty_like(gate)
+    _silu_mul(gate, up, out)
+    return out
+
+
+def silu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    g = gate.astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
+
+
+# ------------------------------------------------------------------ attention
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _attention(q16, k_cache, v_cache_t, kv_of_head, start, scale, out):
+    """Causal attention of the queries at positions start..start+T-1.
+    q16 (T, Hq, D), k_cache (Hkv, ctx, D), v_cache_t (Hkv, D, ctx): f16 bits; out (T, Hq, D) f32.
+    Arrays are passed whole and addressed by flat offsets (a per-row view would cost an atomic
+    reference count update in the parallel loop)."""
+    T, Hq, D = q16.shape
+    ctx = k_cache.shape[1]
+    for job in prange(T * Hq):
+        t, h = job // Hq, job % Hq
+        kv = kv_of_head[h]
+        n = start + t + 1
+        n_pad = (n + 7) // 8 * 8  # GGML's masked cells add exact zeros past n
+        weights = np.zeros(n_pad, np.float32)
+        top = -np.inf
+        for s in range(n):
+            weights[s] = dot_f16_f16(k_cache, (kv * ctx + s) * D, q16, (t * Hq + h) * D, D) * scale
+            top = max(top, weights[s])
+        for s in range(n):
+            weights[s] = expf(weights[s] - top)
+        total = 0.0
+        for g in range(0, n_pad, 8):
+            total += hsum8(weights, g)
+        inv = np.float32(1.0 / total)
+        probs16 = np.zeros(n_pad, np.uint16)
+        for s in range(n):
+            probs16[s] = f16_bits(weights[s] * inv)
+        for d in range(D):
+            out[t, h, d] = dot_f16_f16(v_cache_t, (kv * D + d) * ctx, probs16, 0, n_pad)
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache_t: np.ndarray, kv_of_head: np.ndarray,
+              start: int) -> np.ndarray:
+    """q (T, Hq, D) at positions start.., k_cache (Hkv, ctx, D) and transposed v_cache_t
+    (Hkv, D, ctx), both float16, ctx a multiple of 8 -> (T, Hq, D) float32.
+    kv_of_head[h] is the cache head that query head h reads (GQA)."""
+    T, Hq, D = q.shape
+    if D % 8 or k_cache.shape[1] % 8:
+        raise ValueError("head dimension and cache length must be multiples of 8")
+    out = np.empty((T, Hq, D), np.float32)
+    scale = np.float32(1.0) / np.sqrt(np.float32(D))
+    _attention(q.astype(np.float16).view(np.uint16), k_cache.view(np.uint16), v_cache_t.view(np.uint16),
+               kv_of_head, start, scale, out)
+    return out
+
+
+def attention_ref(q, k_cache, v_cache_t, kv_of_head, start):
+    T, Hq, D = q.shape
+    q16 = round_f16(q).astype(np.float64)
+    out = np.empty((T, Hq, D), np.float32)
+    for t in range(T):
+        n = start + t + 1
+        for h in range(Hq):
+            k = k_cache[kv_of_head[h], :n].astype(np.float64)
+            v = v_cache_t[kv_of_head[h], :, :n].astype(np.float64).T
+            s = (k @ q16[t, h]) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            p = round_f16((p / p.sum()).astype(np.float32)).astype(np.float64)
+            out[t, h] = p @ v
+    return out

@@ -1,0 +1,253 @@
+"""Row dot products written as LLVM vector IR through numba intrinsics.
+
+Two reasons to spell these out instead of writing numba loops:
+- Speed: numba types integer arithmetic at machine width (int64), so a loop over int8 quants
+  compiles to scalar code. Vector IR (<32 x i8> loads, widening multiplies) lowers to AVX2 on
+  x86 and NEON on a Raspberry Pi.
+- Fidelity: the float accumulation order is GGML's (8 lanes, one fused multiply-add per block,
+  lanes summed as ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)) at the end). Rounding differences of one
+  ulp get amplified through a deep network when they flip an activation's 8-bit rounding; keeping
+  the same order keeps our logits on top of llama.cpp's on x86.
+
+Every product here has a plain-numpy reference in `matmul.py` / `ops.py`, and tests check them.
+"""
+
+from __future__ import annotations
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F16, _F32 = ir.HalfType(), ir.FloatType()
+_LANES = 8
+
+
+def _vec(elem: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(elem, n)
+
+
+def _const_vec(elem: ir.Type, values) -> ir.Constant:
+    return ir.Constant(_vec(elem, len(values)), list(values))
+
+
+def _data_ptr(context, builder, array_type, array):
+    return context.make_array(array_type)(context, builder, value=array).data
+
+
+def _load_at(builder, base_ptr, byte_offset, elem: ir.Type, n: int | None = None):
+    """Unaligned load of one `elem` (or n of them as a vector) at base_ptr + byte_offset bytes."""
+    raw = builder.gep(builder.bitcast(base_ptr, _I8.as_pointer()), [byte_offset])
+    target = elem if n is None else _vec(elem, n)
+    return builder.load(builder.bitcast(raw, target.as_pointer()), align=1)
+
+
+def _intrinsic_fn(builder, name: str, ret: ir.Type, args: list[ir.Type]):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _fmuladd(builder, a, b, c):
+    """a*b + c, fused where the CPU has FMA (as GGML's AVX2 path), separately where it has not."""
+    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    return builder.call(_intrinsic_fn(builder, f"llvm.fmuladd.{suffix}", a.type, [a.type] * 3), [a, b, c])
+
+
+def _splat(builder, scalar, n: int):
+    v = builder.insert_element(ir.Constant(_vec(scalar.type, n), None), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _const_vec(_I32, [0] * n))
+
+
+def _hsum8(builder, acc):
+    """GGML's hsum_float_8: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
+    half = builder.fadd(builder.shuffle_vector(acc, acc, _const_vec(_I32, [0, 1, 2, 3])),
+                        builder.shuffle_vector(acc, acc, _const_vec(_I32, [4, 5, 6, 7])))
+    quarter = builder.fadd(builder.shuffle_vector(half, half, _const_vec(_I32, [0, 1])),
+                           builder.shuffle_vector(half, half, _const_vec(_I32, [2, 3])))
+    return builder.fadd(builder.extract_element(quarter, ir.Constant(_I32, 0)),
+                        builder.extract_element(quarter, ir.Constant(_I32, 1)))
+
+
+_X86_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+def _quad_dot(builder, w_i8, x_i8, w_unsigned: bool):
+    """<32 x i8> weights . <32 x i8> activations -> <8 x i32>, lane k = sum of products 4k..4k+3.
+    Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd pair."""
+    if _X86_AVX2:
+        if not w_unsigned:  # maddubs wants unsigned x signed: move the sign onto the activations
+            psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", _vec(_I8, 32), [_vec(_I8, 32)] * 2)
+            w_i8, x_i8 = builder.call(psign, [w_i8, w_i8]), builder.call(psign, [x_i8, w_i8])
+        maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2)
+        madd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
+        pairs = builder.call(maddubs, [w_i8, x_i8])
+        return builder.call(madd, [pairs, _const_vec(_I16, [1] * 16)])
+    extend = builder.zext if w_unsigned else builder.sext
+    p = builder.sext(builder.mul(extend(w_i8, _vec(_I16, 32)), builder.sext(x_i8, _vec(_I16, 32))), _vec(_I32, 32))
+    parts = [builder.shuffle_vector(p, p, _const_vec(_I32, range(j, 32, 4))) for j in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+
+# Byte layout of each native block format: (bytes per block, offset of the quants)
+_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2)}
+
+
+def _row_ptr(context, builder, array_type, array, row):
+    """Pointer to array[row, 0] of a 2-D array whose rows are contiguous. Indexing through the
+    array struct (not a numba view per row) avoids a reference count update per row, which is an
+    atomic on a shared cache line when several threads run the loop."""
+    a = context.make_array(array_type)(context, builder, value=array)
+    stride = builder.extract_value(a.strides, 0)
+    base = builder.bitcast(a.data, _I8.as_pointer())
+    return builder.gep(base, [builder.mul(row, stride)])
+
+
+def _quant_row_dot(fmt: str):
+    """Build the intrinsic dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format
+    `fmt`) against Q8 activation row t (xq int8 values, xd f16-rounded block scales, xds block
+    d*sum(q), which only Q4_1 reads)."""
+    block_bytes, qs_offset = _BLOCK[fmt]
+
+    def typer(typingctx, w, r, xq, xd, xds, t):
+        sig = types.float32(w, r, xq, xd, xds, t)
+
+        def codegen(context, builder, signature, args):
+            w_arr, row, xq_arr, xd_arr, xds_arr, tok = args
+            ty = signature.args
+            row = context.cast(builder, row, ty[1], types.intp)
+            tok = context.cast(builder, tok, ty[5], types.intp)
+            w_ptr = _row_ptr(context, builder, ty[0], w_arr, row)
+            xq_ptr = _row_ptr(context, builder, ty[2], xq_arr, tok)
+            xd_ptr = builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, tok), _F32.as_pointer())
+            xds_ptr = builder.bitcast(_row_ptr(context, builder, ty[4], xds_arr, tok), _F32.as_pointer())
+            n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
+            acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), None))
+            builder.store(ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES), acc_slot)
+            summs_slot = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                block = builder.mul(b, ir.Constant(_I64, block_bytes))
+                d_w = builder.fpext(_load_at(builder, w_ptr, block, _F16), _F32)
+                d_x = builder.load(builder.gep(xd_ptr, [b]))
+                if fmt == "q8_0":
+                    quants = _load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, qs_offset)), _I8, 32)
+                else:
+                    packed = _load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, qs_offset)), _I8, 16)
+                    low = builder.and_(packed, _const_vec(_I8, [15] * 16))
+                    high = builder.lshr(packed, _const_vec(_I8, [4] * 16))
+                    quants = builder.shuffle_vector(low, high, _const_vec(_I32, range(32)))  # value order
+                    if fmt == "q4_0":
+                        quants = builder.sub(quants, _const_vec(_I8, [8] * 32))
+                xq = _load_at(builder, xq_ptr, builder.mul(b, ir.Constant(_I64, 32)), _I8, 32)
+                quads = builder.sitofp(_quad_dot(builder, quants, xq, w_unsigned=fmt == "q4_1"), _vec(_F32, _LANES))
+                scale = _splat(builder, builder.fmul(d_w, d_x), _LANES)
+                builder.store(_fmuladd(builder, scale, quads, builder.load(acc_slot)), acc_slot)
+                if fmt == "q4_1":
+                    m_w = builder.fpext(_load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, 2)), _F16), _F32)
+                    ds_x = builder.load(builder.gep(xds_ptr, [b]))
+                    builder.store(_fmuladd(builder, m_w, ds_x, builder.load(summs_slot)), summs_slot)
+            total = _hsum8(builder, builder.load(acc_slot))
+            if fmt == "q4_1":
+                total = builder.fadd(total, builder.load(summs_slot))
+            return total
+
+        return sig, codegen
+
+    typer.__name__ = f"dot_{fmt}_q8"
+    return intrinsic(typer)
+
+
+dot_q4_0_q8 = _quant_row_dot("q4_0")
+dot_q4_1_q8 = _quant_row_dot("q4_1")
+dot_q8_0_q8 = _quant_row_dot("q8_0")
+
+
+@intrinsic
+def dot_f16_f16(typingctx, a, a_offset, b, b_offset, n):
+    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), n a
+    multiple of 8, products and sums in f32 on 8 lanes (GGML's tinyBLAS f16 order)."""
+    sig = types.float32(a, a_offset, b, b_offset, n)
+
+    def codegen(context, builder, signature, args):
+        a_arr, a_off, b_arr, b_off, count = args
+        a_ptr = builder.gep(_data_ptr(context, builder, signature.args[0], a_arr), [a_off])
+        b_ptr = builder.gep(_data_ptr(context, builder, signature.args[2], b_arr), [b_off])
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), None))
+        builder.store(ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES), acc_slot)
+        n_chunks = builder.sdiv(count, ir.Constant(count.type, _LANES))
+        with cgutils.for_range(builder, n_chunks) as loop:
+            offset = builder.mul(loop.index, ir.Constant(_I64, 2 * _LANES))
+            av = builder.fpext(builder.bitcast(_load_at(builder, a_ptr, offset, _I16, _LANES), _vec(_F16, _LANES)),
+                               _vec(_F32, _LANES))
+            bv = builder.fpext(builder.bitcast(_load_at(builder, b_ptr, offset, _I16, _LANES), _vec(_F16, _LANES)),
+                               _vec(_F32, _LANES))
+            builder.store(_fmuladd(builder, av, bv, builder.load(acc_slot)), acc_slot)
+        return _hsum8(builder, builder.load(acc_slot))
+
+    return sig, codegen
+
+
+@intrinsic
+def hsum8(typingctx, x, offset):
+    """GGML's 8-lane horizontal sum of x[offset:offset+8] (float32)."""
+    sig = types.float32(x, offset)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.gep(_data_ptr(context, builder, signature.args[0], args[0]), [args[1]])
+        return _hsum8(builder, _load_at(builder, ptr, ir.Constant(_I64, 0), _F32, _LANES))
+
+    return sig, codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a*b + c with one rounding where the CPU has FMA (float32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return _fmuladd(builder, *args)
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, x):
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def round_to_f16(typingctx, x):
+    """x rounded to the nearest f16 value (ties to even), as float32."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], _F16), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """The f16 bit pattern (uint16) of float32 x rounded to nearest."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], _F16), _I16)
+
+    return sig, codegen

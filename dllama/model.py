@@ -1,0 +1,154 @@
+"""One node's slice of a llama-style transformer: its weights, its KV cache, its forward pass.
+
+The same code runs on every node. A 1-node run is the shard that holds everything, with an
+all-reduce that returns its input. Per layer there are exactly two sync points, where each node's
+partial output projection is summed over all nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterator
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ContextOverflow
+from .gguf_model import LAYER_TENSORS, GGUFModel
+from .kernels.matmul import Activations
+from .kernels.ops import attention, rmsnorm, rope, silu_mul
+from .plan import Shard
+from .weights import Matrix
+
+AllReduce = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+async def no_sync(partial: np.ndarray) -> np.ndarray:
+    """The all-reduce of a 1-node run."""
+    return partial
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: Matrix  # rows: this node's query heads
+    wk: Matrix  # rows: the KV heads those query heads read
+    wv: Matrix
+    wo: Matrix  # columns: this node's query heads
+    ffn_norm: np.ndarray
+    w_gate: Matrix  # rows: this node's FFN hidden units
+    w_up: Matrix
+    w_down: Matrix  # columns: this node's FFN hidden units
+
+
+@dataclass
+class ShardWeights:
+    layers: list[LayerWeights]
+    output_norm: np.ndarray
+    lm_head: Matrix  # rows: this node's vocabulary slice
+    rope_freq_factors: np.ndarray | None
+
+    @classmethod
+    def from_gguf(cls, model: GGUFModel, shard: Shard) -> "ShardWeights":
+        """Views of this shard's slices in the (memory-mapped) file; nothing is copied for native types."""
+        return cls.from_tensors(dict(shard_tensors(model, shard)))
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, Matrix | np.ndarray]) -> "ShardWeights":
+        n_layers = sum(1 for name in t if name.endswith(".attn_norm"))
+        layers = [
+            LayerWeights(**{_FIELD[part]: t[f"blk.{i}.{part}"] for part in LAYER_TENSORS})
+            for i in range(n_layers)
+        ]
+        return cls(layers, t["output_norm"], t["output"], t.get("rope_freqs"))
+
+    @property
+    def nbytes(self) -> int:
+        total = self.lm_head.nbytes + self.output_norm.nbytes
+        for layer in self.layers:
+            for value in vars(layer).values():
+                total += value.nbytes
+        return total
+
+
+_FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+          "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+
+
+def shard_tensors(model: GGUFModel, shard: Shard) -> Iterator[tuple[str, Matrix | np.ndarray]]:
+    """(name, tensor) for every tensor of a shard, cut from the full model. Names are the GGUF
+    names without '.weight'; the LM head is always 'output'."""
+    hd = model.config.head_dim
+    q0, q1 = (h * hd for h in shard.q_heads)
+    k0, k1 = (h * hd for h in shard.kv_heads)
+    f0, f1 = shard.ffn
+    for i in range(model.config.n_layers):
+        def m(part):
+            return model.matrix(model.layer_name(i, part))
+
+        yield f"blk.{i}.attn_norm", model.vector(model.layer_name(i, "attn_norm"))
+        yield f"blk.{i}.attn_q", m("attn_q").row_slice(q0, q1)
+        yield f"blk.{i}.attn_k", m("attn_k").row_slice(k0, k1)
+        yield f"blk.{i}.attn_v", m("attn_v").row_slice(k0, k1)
+        yield f"blk.{i}.attn_output", m("attn_output").col_slice(q0, q1)
+        yield f"blk.{i}.ffn_norm", model.vector(model.layer_name(i, "ffn_norm"))
+        yield f"blk.{i}.ffn_gate", m("ffn_gate").row_slice(f0, f1)
+        yield f"blk.{i}.ffn_up", m("ffn_up").row_slice(f0, f1)
+        yield f"blk.{i}.ffn_down", m("ffn_down").col_slice(f0, f1)
+    yield "output_norm", model.vector("output_norm.weight")
+    yield "output", model.matrix(model.lm_head_name).row_slice(*shard.vocab)
+    freqs = model.rope_freq_factors()
+    if freqs is not None:
+        yield "rope_freqs", freqs
+
+
+class ShardModel:
+    """A node's slice of the transformer, with the KV cache of its heads."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, weights: ShardWeights, ctx_size: int):
+        self.config, self.shard, self.weights, self.ctx_size = config, shard, weights, ctx_size
+        g = config.group_size
+        self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
+        # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
+        # attention) so each output dimension is one contiguous dot product. np.zeros pages are
+        # only committed when written.
+        self.ctx_size = ctx_size = -(-ctx_size // 8) * 8
+        self.k_cache = [np.zeros((shard.n_kv_heads, ctx_size, config.head_dim), np.float16) for _ in weights.layers]
+        self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, ctx_size), np.float16) for _ in weights.layers]
+
+    async def forward(self, x: np.ndarray, start: int, all_reduce: AllReduce = no_sync) -> np.ndarray:
+        """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every
+        layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every node."""
+        cfg, hd = self.config, self.config.head_dim
+        T = x.shape[0]
+        if start + T > self.ctx_size:
+            raise ContextOverflow(f"{start + T} tokens do not fit the context of {self.ctx_size}")
+        x = np.array(x, dtype=np.float32)
+        pos = np.arange(start, start + T)
+        nq, nkv = self.shard.n_q_heads, self.shard.n_kv_heads
+        for w, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache):
+            # attention over this node's heads
+            h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
+            if nq:
+                q = w.wq.matmul(h).reshape(T, nq, hd)
+                k = w.wk.matmul(h).reshape(T, nkv, hd)
+                v = w.wv.matmul(h).reshape(T, nkv, hd)
+                rope(q, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors)
+                rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors)
+                k_cache[:, start:start + T] = k.transpose(1, 0, 2)
+                v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
+                att = attention(q, k_cache, v_cache, self.kv_of_head, start)
+                partial = w.wo.matmul(att.reshape(T, nq * hd))
+            else:
+                partial = np.zeros_like(x)
+            x += await all_reduce(partial)  # sync point 1
+
+            # feed-forward over this node's hidden units
+            h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
+            a = silu_mul(w.w_gate.matmul(h), w.w_up.matmul(h))
+            x += await all_reduce(w.w_down.matmul(a))  # sync point 2
+        return x
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """This node's slice of the logits (T, vocab slice) for final residual rows x (T, dim)."""
+        return self.weights.lm_head.matmul(rmsnorm(x, self.weights.output_norm, self.config.norm_eps))

@@ -1,0 +1,660 @@
+"""One framed TCP connection to one peer.
+
+`Connection` is an asyncio BufferedProtocol rather than a StreamReader/StreamWriter pair: the
+event loop reads straight into buffers we hand it, so a payload lands in the numpy array that
+a receive was posted for (zero-copy), and small frames arrive in one recv() into a staging
+buffer. Receives are posted in order (`post_recv`, MPI-style irecv); frames that arrive before
+a receive is posted are queued (bounded, with TCP back-pressure beyond the bound).
+
+Writes go out with `transport.writelines((header, payload))`: uvloop hands both to one writev()
+without copying. If the kernel does not take everything at once, the transport keeps a
+*reference* to the payload, so the sender must not modify it until `flush()` returns; the
+write-buffer limits are set to zero so pause_writing/resume_writing track exactly that.
+
+Liveness: while anything waits on this peer (a posted receive or a flush), a watchdog fails the
+wait with `PeerTimeout` once the peer has sent nothing for `timeout` seconds. Peers send a PING
+after `heartbeat` seconds without other traffic, so a live but idle peer is never silent.
+An EOF or reset fails every wait at once with `PeerClosed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import (
+    MalformedFrame,
+    NetworkError,
+    PeerAborted,
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    VersionMismatch,
+)
+from . import frames as F
+
+DEFAULT_MAX_FRAME = 64 << 20  # raw payloads (weight slices, arrays); the u32 field allows 4 GiB
+STAGE_SIZE = 256 << 10  # staging buffer: small frames arrive whole in one recv()
+DIRECT_MIN = 16 << 10  # a payload remainder at least this big is read straight into its buffer
+
+
+class PeerRef(NamedTuple):
+    """Who is at the other end: rank (None if not known yet), host, port."""
+
+    rank: int | None
+    host: str
+    port: int
+
+    def __str__(self):
+        addr = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return addr if self.rank is None else f"rank {self.rank} ({addr})"
+
+
+class _Recv:
+    """A posted receive: which kinds/tag it accepts, where the payload goes, who waits."""
+
+    __slots__ = ("codes", "into", "tag", "max_len", "fut", "timer")
+
+    def __init__(self, codes, into, tag, max_len, fut):
+        self.codes = codes
+        self.into = into
+        self.tag = tag
+        self.max_len = max_len
+        self.fut = fut
+        self.timer = None
+
+
+def _as_bytes_view(buf) -> memoryview:
+    """A flat, writable byte view of a contiguous buffer (numpy array, bytearray, memoryview)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("receive buffer must be C-contiguous")
+        buf = buf.reshape(-1).view(np.uint8)
+    mv = memoryview(buf)
+    if mv.readonly:
+        raise ValueError("receive buffer is read-only")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _nbytes(payload) -> int:
+    return len(payload) if isinstance(payload, (bytes, bytearray)) else payload.nbytes
+
+
+class Connection(asyncio.BufferedProtocol):
+    """A framed connection. Create it with `dllama.net.connect()` or receive it from a
+    `dllama.net.Listener`; both run the handshake before handing it out."""
+
+    def __init__(self, peer: PeerRef | None = None, *, max_frame: int = DEFAULT_MAX_FRAME,
+                 timeout: float | None = None, heartbeat: float | None = None,
+                 max_queued: int | None = None, kinds: F.KindRegistry = F.KINDS):
+        if not 0 < max_frame <= F.MAX_FRAME_LIMIT:
+            raise ValueError(f"max_frame must be in 1..{F.MAX_FRAME_LIMIT}")
+        self._loop = asyncio.get_running_loop()
+        self.peer = peer or PeerRef(None, "?", 0)
+        self.max_frame = max_frame
+        self.max_queued = max_queued if max_queued is not None else max(max_frame, 8 << 20)
+        self.kinds = kinds
+        self.hello = None  # the peer's handshake (dllama.net.handshake.Hello), set by the handshake
+        self.transport: asyncio.Transport | None = None
+        # counters, for bytes/token and throughput reports
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.frames_sent = 0
+        self.frames_recv = 0
+        # receive side
+        self._stage = bytearray(STAGE_SIZE)
+        self._stage_mv = memoryview(self._stage)
+        self._lo = 0  # unparsed bytes are _stage[_lo:_hi]
+        self._hi = 0
+        self._kind: F.FrameKind | None = None  # frame in progress (None: reading a header)
+        self._tag = 0
+        self._dest: memoryview | None = None  # where its payload goes
+        self._filled = 0
+        self._target: _Recv | None = None  # the posted receive it is for (None: it gets queued)
+        self._direct: memoryview | None = None  # set: the loop reads straight into the payload
+        self._hdr_only = False  # after a big frame, read the next header alone (no staging copy)
+        self._receivers: collections.deque[_Recv] = collections.deque()
+        self._queue: collections.deque = collections.deque()  # (kind, tag, bytearray) not yet asked for
+        self._queued_bytes = 0
+        self._reading_paused = False
+        # send side
+        self._unflushed = False
+        self._flush_waiters: list[asyncio.Future] = []
+        # liveness
+        self._timeout = timeout
+        self._heartbeat = heartbeat
+        self._last_rx = self._loop.time()
+        self._last_tx = self._last_rx
+        self._wait_since = self._last_rx
+        self._watch: asyncio.TimerHandle | None = None
+        self._hb_timer: asyncio.TimerHandle | None = None
+        # state
+        self._error: NetworkError | None = None
+        self._bye = False
+        self._made = self._loop.create_future()
+        self._lost = self._loop.create_future()
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def timeout(self) -> float | None:
+        """Seconds the peer may stay silent while we wait on it (None: forever)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None):
+        if value is not None and value <= 0:
+            raise ValueError("timeout must be positive or None")
+        self._timeout = value
+
+    @property
+    def heartbeat(self) -> float | None:
+        return self._heartbeat
+
+    @heartbeat.setter
+    def heartbeat(self, value: float | None):
+        if value is not None and value <= 0:
+            raise ValueError("heartbeat must be positive or None")
+        self._heartbeat = value
+        if self.transport is not None and value is not None and self._hb_timer is None:
+            self._hb_timer = self._loop.call_later(value, self._heartbeat_tick)
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> NetworkError | None:
+        return self._error
+
+    # ------------------------------------------------------------------ asyncio callbacks
+    def connection_made(self, transport):
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.peer.host == "?":
+            name = transport.get_extra_info("peername")
+            if name:
+                self.peer = PeerRef(self.peer.rank, str(name[0]), int(name[1]))
+        # Pause as soon as anything stays in user space: pause/resume then mean "unflushed/flushed".
+        transport.set_write_buffer_limits(high=0, low=0)
+        now = self._loop.time()
+        self._last_rx = self._last_tx = now
+        if self._heartbeat is not None:
+            self._hb_timer = self._loop.call_later(self._heartbeat, self._heartbeat_tick)
+        if not self._made.done():
+            self._made.set_result(None)
+
+    def connection_lost(self, exc):
+        if self._error is None:
+            if self._bye:
+                why = "closed the connection"
+            elif self._kind is not None:
+                why = "connection lost in the middle of a frame (peer died?)"
+            else:
+                why = "connection lost (peer died or dropped the connection)"
+            if exc is not None:
+                why += f": {exc}"
+            self._fail(PeerClosed(why, self.peer), close=False)
+        self.transport = None
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def eof_received(self):
+        return False  # half-open connections are of no use to us: close
+
+    def pause_writing(self):
+        self._unflushed = True
+
+    def resume_writing(self):
+        self._unflushed = False
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # ------------------------------------------------------------------ receive path
+    def get_buffer(self, sizehint):
+        if self._direct is not None:
+            return self._direct
+        lo, hi = self._lo, self._hi
+        if lo:
+            if lo < hi:  # a partial header: move it to the front
+                self._stage[: hi - lo] = self._stage[lo:hi]
+            self._lo, self._hi = 0, hi - lo
+            hi = hi - lo
+        if self._hdr_only and self._kind is None:
+            return self._stage_mv[hi:F.HEADER_SIZE]
+        return self._stage_mv[hi:]
+
+    def buffer_updated(self, nbytes):
+        self.bytes_recv += nbytes
+        self._last_rx = self._loop.time()
+        if self._error is not None:
+            self._lo = self._hi = 0
+            return
+        direct = self._direct
+        if direct is not None:
+            self._filled += nbytes
+            if nbytes == len(direct):
+                self._direct = None
+                self._finish_frame()
+            else:
+                self._direct = direct[nbytes:]
+            return
+        self._hi += nbytes
+        self._parse()
+
+    def _parse(self):
+        stage = self._stage_mv
+        while self._error is None:
+            if self._kind is None:
+                if self._hi - self._lo < F.HEADER_SIZE:
+                    return
+                magic, version, code, _flags, tag, length = F.HEADER.unpack_from(self._stage, self._lo)
+                self._lo += F.HEADER_SIZE
+                if not self._begin_frame(magic, version, code, tag, length):
+                    return
+                if length == 0:
+                    self._finish_frame()
+                    continue
+            need = len(self._dest) - self._filled
+            avail = self._hi - self._lo
+            if avail >= need:
+                self._dest[self._filled:] = stage[self._lo:self._lo + need]
+                self._lo += need
+                self._filled += need
+                self._finish_frame()
+                continue
+            if avail:
+                self._dest[self._filled:self._filled + avail] = stage[self._lo:self._hi]
+                self._filled += avail
+            self._lo = self._hi = 0
+            if need - avail >= DIRECT_MIN:
+                self._direct = self._dest[self._filled:]
+            return
+
+    def _begin_frame(self, magic, version, code, tag, length) -> bool:
+        """Check a header and choose where its payload goes. False: the connection has failed."""
+        if magic != F.MAGIC:
+            self._fail(MalformedFrame(f"bad frame magic {bytes(magic)!r} (not a dllama peer?)", self.peer))
+            return False
+        if version != F.PROTOCOL_VERSION:
+            self._fail(VersionMismatch(
+                f"speaks wire protocol version {version}, this node speaks {F.PROTOCOL_VERSION}", self.peer))
+            return False
+        kind = self.kinds.by_code(code)
+        if kind is None:
+            self._fail(MalformedFrame(f"unknown frame kind {code}", self.peer))
+            return False
+        limit = self.max_frame if kind.max_len is None else min(kind.max_len, self.max_frame)
+        if length > limit:
+            self._fail(MalformedFrame(
+                f"{kind.name} frame of {length} bytes exceeds the limit of {limit} bytes", self.peer))
+            return False
+        self._kind, self._tag, self._filled = kind, tag, 0
+        self._hdr_only = length >= DIRECT_MIN
+        if code in F.INTERNAL_CODES:
+            self._target = None
+            self._dest = memoryview(bytearray(length))
+            return True
+        if self._receivers:
+            r = self._receivers[0]
+            if code not in r.codes:
+                names = "/".join(sorted(self.kinds.by_code(c).name for c in r.codes))
+                self._fail(ProtocolError(f"sent a {kind.name} frame where a {names} frame was expected", self.peer))
+                return False
+            if r.tag is not None and tag != r.tag:
+                self._fail(ProtocolError(
+                    f"out of step: sent a frame of collective call #{tag}, expected call #{r.tag} "
+                    "(do all ranks call the same collectives in the same order?)", self.peer))
+                return False
+            if r.into is not None:
+                if length != len(r.into):
+                    self._fail(MalformedFrame(
+                        f"sent a {length}-byte {kind.name} frame, expected {len(r.into)} bytes "
+                        "(do all ranks pass arrays of the same size and dtype?)", self.peer))
+                    return False
+                self._dest = r.into
+            else:
+                if r.max_len is not None and length > r.max_len:
+                    self._fail(MalformedFrame(
+                        f"{kind.name} frame of {length} bytes exceeds the expected maximum of {r.max_len}", self.peer))
+                    return False
+                self._dest = memoryview(bytearray(length))
+            self._target = r
+        else:
+            self._target = None
+            self._dest = memoryview(bytearray(length))
+        return True
+
+    def _finish_frame(self):
+        kind, tag, dest, target = self._kind, self._tag, self._dest, self._target
+        self._kind = self._dest = self._target = None
+        self.frames_recv += 1
+        code = kind.code
+        if code in F.INTERNAL_CODES:
+            if code == F.ABORT.code:
+                self._on_abort(dest)
+            elif code == F.BYE.code:
+                self._bye = True
+                self._fail(PeerClosed("closed the connection", self.peer), close=False)
+            return  # PING: nothing to do, receiving it was the point
+        if target is not None:
+            self._receivers.popleft()
+            if target.timer is not None:
+                target.timer.cancel()
+            if not target.fut.done():
+                target.fut.set_result(dest if target.into is not None else (kind, tag, dest.obj))
+            return
+        self._queue.append((kind, tag, dest.obj))
+        self._queued_bytes += len(dest)
+        if self._queued_bytes > self.max_queued and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _on_abort(self, body):
+        try:
+            msg = F.unpack_msg(body)
+            reason = str(msg.get("reason", "no reason given"))[:2000]
+        except Exception:
+            reason = "no readable reason"
+        self._fail(PeerAborted(f"gave up: {reason}", self.peer))
+
+    # ------------------------------------------------------------------ posting receives
+    def post_recv(self, into=None, kind: F.FrameKind = F.ARRAY, tag: int | None = None,
+                  max_len: int | None = None) -> asyncio.Future:
+        """Post a receive for the next frame and return a future (the irecv of this layer).
+
+        `into`: a writable byte memoryview (see `as_bytes_view`) that must be exactly the frame's
+        length; the future then resolves to it. Without `into` the frame is allocated (bounded by
+        `max_len` and the kind's limit) and the future resolves to (kind, tag, bytearray).
+        `kind` may be one FrameKind or a tuple of them; `tag`, if given, must match."""
+        codes = frozenset(k.code for k in kind) if isinstance(kind, tuple) else frozenset((kind.code,))
+        fut = self._loop.create_future()
+        if self._queue:
+            self._take_queued(codes, into, tag, max_len, fut)
+            return fut
+        if self._error is not None:
+            fut.set_exception(self._error)
+            fut.exception()  # the awaiting caller sees it; don't log it as unretrieved
+            return fut
+        if not self._receivers:
+            self._wait_since = self._loop.time()
+            self._arm_watchdog()
+        self._receivers.append(_Recv(codes, into, tag, max_len, fut))
+        return fut
+
+    def _take_queued(self, codes, into, tag, max_len, fut):
+        kind, ftag, buf = self._queue.popleft()
+        self._queued_bytes -= len(buf)
+        if self._reading_paused and self._queued_bytes <= self.max_queued and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        err = None
+        if kind.code not in codes:
+            names = "/".join(sorted(self.kinds.by_code(c).name for c in codes))
+            err = ProtocolError(f"sent a {kind.name} frame where a {names} frame was expected", self.peer)
+        elif tag is not None and ftag != tag:
+            err = ProtocolError(f"out of step: sent a frame of collective call #{ftag}, expected call #{tag} "
+                                "(do all ranks call the same collectives in the same order?)", self.peer)
+        elif into is not None and len(buf) != len(into):
+            err = MalformedFrame(f"sent a {len(buf)}-byte {kind.name} frame, expected {len(into)} bytes "
+                                 "(do all ranks pass arrays of the same size and dtype?)", self.peer)
+        elif into is None and max_len is not None and len(buf) > max_len:
+            err = MalformedFrame(f"{kind.name} frame of {len(buf)} bytes exceeds the expected maximum of {max_len}",
+                                 self.peer)
+        if err is not None:
+            self._fail(err)
+            fut.set_exception(err)
+            fut.exception()
+            return
+        if into is not None:
+            into[:] = buf
+            fut.set_result(into)
+        else:
+            fut.set_result((kind, ftag, buf))
+
+    def _cancel_recv(self, r: _Recv, exc: NetworkError | None):
+        """Withdraw a posted receive (timeout or cancellation). If its frame is already arriving,
+        the stream position is lost and the connection fails."""
+        if r.timer is not None:
+            r.timer.cancel()
+        if self._target is r:
+            self._fail(exc or PeerTimeout("a receive was cancelled while its frame was arriving", self.peer))
+        else:
+            try:
+                self._receivers.remove(r)
+            except ValueError:
+                pass
+        if exc is not None and not r.fut.done():
+            r.fut.set_exception(exc)
+
+    async def _wait_recv(self, fut, timeout):
+        if fut.done() or timeout is None:
+            return await fut
+        r = self._receivers[-1]  # post_recv just appended it
+        r.timer = self._loop.call_later(
+            timeout, lambda: self._cancel_recv(r, PeerTimeout(f"no reply within {timeout:.3g} s", self.peer)))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancel_recv(r, None)
+            raise
+
+    # ------------------------------------------------------------------ high-level receive
+    async def recv_msg(self, kinds=F.MESSAGE, timeout: float | None = None) -> tuple[str, dict]:
+        """Receive the next control message; `kinds`: a kind (name, code or FrameKind) or a list.
+        Returns (kind name, body dict)."""
+        want = tuple(self.kinds.get(k) for k in (kinds if isinstance(kinds, (list, tuple, set)) else (kinds,)))
+        for k in want:
+            if k.body != F.MSG:
+                raise ValueError(f"frame kind {k.name!r} carries raw bytes; use recv_bytes/recv_array")
+        fut = self.post_recv(None, want, None, max(k.max_len or self.max_frame for k in want))
+        kind, _tag, buf = await self._wait_recv(fut, timeout)
+        try:
+            return kind.name, F.unpack_msg(buf)
+        except Exception as e:
+            err = MalformedFrame(f"unreadable {kind.name} message: {e}", self.peer)
+            self._fail(err)
+            raise err from None
+
+    async def recv_bytes(self, kind=F.ARRAY, max_len: int | None = None, timeout: float | None = None,
+                         tag: int | None = None) -> bytearray:
+        """Receive the next raw frame into a new bytearray (length bounded by `max_len`)."""
+        k = self.kinds.get(kind)
+        fut = self.post_recv(None, k, tag, max_len)
+        _kind, _tag, buf = await self._wait_recv(fut, timeout)
+        return buf
+
+    async def recv_array(self, into=None, *, dtype=None, kind=F.ARRAY, max_len: int | None = None,
+                         timeout: float | None = None, tag: int | None = None) -> np.ndarray:
+        """Receive the next raw frame as an array. With `into` (a C-contiguous writable array) the
+        payload lands in it and its size must match; otherwise a 1-D array of `dtype` is allocated
+        (at most `max_len` bytes)."""
+        k = self.kinds.get(kind)
+        if into is not None:
+            await self._wait_recv(self.post_recv(_as_bytes_view(into), k, tag), timeout)
+            return into
+        dt = np.dtype(dtype if dtype is not None else np.uint8)
+        buf = await self._wait_recv(self.post_recv(None, k, tag, max_len), timeout)
+        buf = buf[2]
+        if len(buf) % dt.itemsize:
+            err = MalformedFrame(f"{len(buf)}-byte frame is not a whole number of {dt} items", self.peer)
+            self._fail(err)
+            raise err
+        return np.frombuffer(buf, dtype=dt)
+
+    # ------------------------------------------------------------------ send path
+    def write_frame(self, kind: F.FrameKind, payload=None, tag: int = 0) -> None:
+        """Queue one frame without waiting. The payload (bytes, or a contiguous array/memoryview)
+        is not copied: don't modify it before `flush()` unless `flushed` is true."""
+        if self._error is not None:
+            raise self._error
+        n = 0 if payload is None else _nbytes(payload)
+        limit = self.max_frame if kind.max_len is None else min(kind.max_len, self.max_frame)
+        if n > limit:
+            raise ValueError(f"{kind.name} frame of {n} bytes exceeds the limit of {limit} bytes")
+        header = F.HEADER.pack(F.MAGIC, F.PROTOCOL_VERSION, kind.code, 0, tag & 0xFFFFFFFF, n)
+        if n:
+            self.transport.writelines((header, payload))
+        else:
+            self.transport.write(header)
+        self.bytes_sent += F.HEADER_SIZE + n
+        self.frames_sent += 1
+        self._last_tx = self._loop.time()
+
+    def write_array(self, payload, tag: int = 0) -> None:
+        """Hot path of the collectives: an ARRAY frame, no checks beyond the transport's."""
+        if self._error is not None:
+            raise self._error
+        n = payload.nbytes
+        header = F.HEADER.pack(F.MAGIC, F.PROTOCOL_VERSION, 16, 0, tag, n)
+        if n:
+            self.transport.writelines((header, payload))
+        else:
+            self.transport.write(header)
+        self.bytes_sent += F.HEADER_SIZE + n
+        self.frames_sent += 1
+        self._last_tx = self._loop.time()
+
+    @property
+    def flushed(self) -> bool:
+        """True when every written byte is in the kernel (written payloads may be reused)."""
+        return not self._unflushed
+
+    async def flush(self) -> None:
+        """Wait until every written byte has left user space (bounded by the peer timeout)."""
+        while self._unflushed:
+            if self._error is not None:
+                raise self._error
+            fut = self._loop.create_future()
+            self._flush_waiters.append(fut)
+            if len(self._flush_waiters) == 1 and not self._receivers:
+                self._wait_since = self._loop.time()
+            self._arm_watchdog()
+            await fut
+        if self._error is not None and self.transport is None:
+            raise self._error
+
+    async def send_msg(self, kind, body: dict) -> None:
+        """Send a control message (a msgpack map) of a MSG kind."""
+        k = self.kinds.get(kind)
+        if k.body != F.MSG:
+            raise ValueError(f"frame kind {k.name!r} carries raw bytes; use send_bytes/send_array")
+        self.write_frame(k, F.pack_msg(body))
+        await self.flush()
+
+    async def send_array(self, array, kind=F.ARRAY, tag: int = 0) -> None:
+        """Send a contiguous array (or any bytes-like) as one raw frame; returns when the buffer
+        may be reused. Large weight payloads get TCP back-pressure this way."""
+        k = self.kinds.get(kind)
+        if k.body != F.RAW:
+            raise ValueError(f"frame kind {k.name!r} carries a msgpack map; use send_msg")
+        if isinstance(array, np.ndarray):
+            if not array.flags.c_contiguous:
+                raise ValueError("send_array needs a C-contiguous array")
+            array = array.reshape(-1).view(np.uint8)
+        self.write_frame(k, array, tag)
+        await self.flush()
+
+    send_bytes = send_array
+
+    # ------------------------------------------------------------------ liveness
+    def _arm_watchdog(self):
+        if self._watch is None and self._timeout is not None:
+            self._watch = self._loop.call_at(self._wait_since + self._timeout, self._watchdog)
+
+    def _watchdog(self):
+        self._watch = None
+        if self._error is not None or self._timeout is None:
+            return
+        if not self._receivers and not self._flush_waiters:
+            return
+        deadline = max(self._last_rx, self._wait_since) + self._timeout
+        if self._loop.time() >= deadline - 0.002:
+            self._fail(PeerTimeout(f"sent nothing for {self._timeout:.3g} s (stopped, hung or cut off?)",
+                                   self.peer))
+        else:
+            self._watch = self._loop.call_at(deadline, self._watchdog)
+
+    def _heartbeat_tick(self):
+        self._hb_timer = None
+        if self._error is not None or self.transport is None or self._heartbeat is None:
+            return
+        now = self._loop.time()
+        if now - self._last_tx >= self._heartbeat * 0.5:
+            try:
+                self.write_frame(F.PING)
+            except (NetworkError, RuntimeError):
+                return
+        self._hb_timer = self._loop.call_at(self._last_tx + self._heartbeat, self._heartbeat_tick)
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def _fail(self, exc: NetworkError, close: bool = True):
+        """Record the first error, fail everything waiting, drop the transport."""
+        if self._error is None:
+            self._error = exc
+        exc = self._error
+        for t in (self._watch, self._hb_timer):
+            if t is not None:
+                t.cancel()
+        self._watch = self._hb_timer = None
+        self._direct = None
+        receivers, self._receivers = self._receivers, collections.deque()
+        for r in receivers:
+            if r.timer is not None:
+                r.timer.cancel()
+            if not r.fut.done():
+                r.fut.set_exception(exc)
+                r.fut.exception()
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_exception(exc)
+                w.exception()
+        if close and self.transport is not None:
+            self.transport.abort()
+
+    def abort(self, reason: str) -> None:
+        """Tell the peer why we give up (it raises PeerAborted naming us) and drop the connection."""
+        if self._error is None and self.transport is not None:
+            try:
+                self.write_frame(F.ABORT, F.pack_msg({"reason": reason[:2000]}))
+            except Exception:
+                pass
+            self._error = PeerAborted(f"connection given up locally: {reason}", self.peer)
+            self._fail(self._error, close=False)
+            self.transport.close()  # close() still sends what is buffered (the ABORT)
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Orderly shutdown: tell the peer (its waits raise PeerClosed 'closed the connection')."""
+        if self.transport is not None and self._error is None:
+            try:
+                self.write_frame(F.BYE)
+            except Exception:
+                pass
+            self._error = PeerClosed("connection closed locally", self.peer)
+            self._fail(self._error, close=False)
+            self.transport.close()
+        elif self.transport is not None:
+            self.transport.close()
+        if not self._lost.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._lost), timeout)
+            except asyncio.TimeoutError:
+                if self.transport is not None:
+                    self.transport.abort()
+
+    def __repr__(self):
+        state = "closed" if self._error is not None else "open"
+        return f"<Connection {self.peer} {state} sent={self.bytes_sent} recv={self.bytes_recv}>"
+
+
+as_bytes_view = _as_bytes_view

@@ -1,0 +1,93 @@
+"""The split plan: which slice of every weight matrix each node holds.
+
+- Attention by whole heads. GQA: while there are at least as many KV heads as nodes, the unit is
+  a KV group (one KV head and its query heads); past that, query heads are split one by one and
+  each node keeps (replicates) the KV heads its query heads read.
+- FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks.
+- LM head by vocabulary rows.
+Shares follow per-node weights (e.g. 2,1,1 or measured speeds) by the largest-remainder rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .config import ModelConfig
+from .errors import DllamaError
+from .quant import QK
+
+
+@dataclass(frozen=True)
+class Shard:
+    node: int
+    q_heads: tuple[int, int]  # [start, stop) of query heads
+    kv_heads: tuple[int, int]  # [start, stop) of the KV heads those query heads read
+    ffn: tuple[int, int]  # [start, stop) of FFN hidden units
+    vocab: tuple[int, int]  # [start, stop) of vocabulary rows of the LM head
+
+    @property
+    def n_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Shard":
+        return cls(d["node"], tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]), tuple(d["vocab"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: ModelConfig
+    shards: tuple[Shard, ...]
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.shards)
+
+    @classmethod
+    def single(cls, config: ModelConfig) -> "Plan":
+        return cls.split(config, [1.0])
+
+    @classmethod
+    def split(cls, config: ModelConfig, weights: list[float]) -> "Plan":
+        n = len(weights)
+        if n < 1 or any(w <= 0 for w in weights):
+            raise DllamaError(f"node weights must be positive, got {weights}")
+        if config.ffn_dim % QK:
+            raise DllamaError(f"FFN size {config.ffn_dim} is not a multiple of the quant block {QK}")
+        if n > config.ffn_dim // QK:
+            raise DllamaError(f"{n} nodes is more than the {config.ffn_dim // QK} FFN blocks of this model")
+
+        g = config.group_size
+        if n <= config.n_kv_heads:
+            q_counts = [c * g for c in split_units(config.n_kv_heads, weights)]
+        else:
+            q_counts = split_units(config.n_heads, weights)
+        ffn_counts = [c * QK for c in split_units(config.ffn_dim // QK, weights)]
+        vocab_counts = split_units(config.vocab_size, weights)
+
+        shards, q0, f0, v0 = [], 0, 0, 0
+        for node in range(n):
+            q1, f1, v1 = q0 + q_counts[node], f0 + ffn_counts[node], v0 + vocab_counts[node]
+            kv = (q0 // g, -(-q1 // g)) if q1 > q0 else (0, 0)
+            shards.append(Shard(node, (q0, q1), kv, (f0, f1), (v0, v1)))
+            q0, f0, v0 = q1, f1, v1
+        return cls(config, tuple(shards))
+
+
+def split_units(total: int, weights: list[float]) -> list[int]:
+    """Divide `total` indivisible units in proportion to `weights` (largest remainder, ties to the
+    earlier node), so the counts add up to `total` exactly."""
+    scale = total / sum(weights)
+    exact = [w * scale for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
