@@ -1,4 +1,4 @@
-"""Open a GGUF file (memory-mapped through gguf-py): the model's config and its weight matrices.
+"""Open a GGUF model: its config (llama architecture metadata) and its weight matrices.
 
 Native-format tensors are returned as views into the file map, so loading costs no copy; other
 GGUF types are dequantized by gguf-py and re-quantized to the nearest native format a few rows
@@ -8,15 +8,14 @@ at a time, so a tensor is never expanded to f32 as a whole.
 from __future__ import annotations
 
 import os
-from functools import cached_property
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
-from gguf import GGUFReader
 from gguf import quants as gguf_quants
 
 from .config import ModelConfig
 from .errors import ModelError
+from .gguf_file import ArrayInfo, GGUFFile
 from .quant import QType, quantize, requant_target
 from .weights import Matrix
 
@@ -32,20 +31,16 @@ class GGUFModel:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ModelError(f"model file not found: {self.path}")
-        try:
-            self.reader = GGUFReader(self.path, "r")
-        except Exception as e:  # gguf-py raises ValueError/struct errors on a non-GGUF file
-            raise ModelError(f"not a readable GGUF file: {self.path} ({e})") from None
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(self.path)
+        self.metadata = self.file.metadata
         self.config = self._read_config()
+        self.chat_template: str | None = self.field("tokenizer.chat_template")
 
     # ------------------------------------------------------------------ metadata
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        value = self.metadata.get(key, default)
+        return default if isinstance(value, ArrayInfo) else value
 
     def _read_config(self) -> ModelConfig:
         arch = self.field("general.architecture")
@@ -63,9 +58,10 @@ class GGUFModel:
         n_heads = int(need("attention.head_count"))
         n_kv_heads = int(self.field(f"{arch}.attention.head_count_kv", n_heads))
         head_dim = int(self.field(f"{arch}.attention.key_length", dim // n_heads))
-        vocab = self.field(f"{arch}.vocab_size")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        vocab = self.field(f"{arch}.vocab_size", tokens.length if isinstance(tokens, ArrayInfo) else None)
         if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            raise ModelError(f"{self.path}: no vocabulary size in the metadata")
         if n_heads % n_kv_heads:
             raise ModelError(f"{self.path}: {n_heads} heads do not divide into {n_kv_heads} KV heads")
         return ModelConfig(
@@ -82,28 +78,24 @@ class GGUFModel:
             rope_dims=int(self.field(f"{arch}.rope.dimension_count", head_dim)),
             rope_neox=SUPPORTED_ARCHS[arch],
             norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            tied_embeddings="output.weight" not in self._tensors,
+            tied_embeddings="output.weight" not in self.file.tensors,
             bos_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_id=self.field("tokenizer.ggml.eos_token_id"),
         )
 
-    @cached_property
-    def chat_template(self) -> str | None:
-        return self.field("tokenizer.chat_template")
-
     # ------------------------------------------------------------------ tensors
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self.file.tensors
 
     def matrix(self, name: str) -> Matrix:
         """A 2-D weight in a native format (a view into the file where the format is native)."""
         t = self._get(name)
         if len(t.shape) != 2:
             raise ModelError(f"{self.path}: tensor {name} is not a matrix (shape {list(t.shape)})")
-        cols, rows = int(t.shape[0]), int(t.shape[1])  # GGUF lists the innermost dimension first
-        ggml_type = int(t.tensor_type)
-        data = t.data.reshape(rows, -1)
+        cols, rows = t.shape  # GGUF lists the innermost dimension first
+        ggml_type = t.ggml_type
+        data = self.file.data(name)
         if ggml_type in QType._value2member_map_:
             return Matrix(QType(ggml_type), rows, cols, data)
         target = self._requant_target(name, ggml_type)
@@ -114,13 +106,15 @@ class GGUFModel:
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's scale, RoPE frequency factors) as float32."""
         t = self._get(name)
-        ggml_type = int(t.tensor_type)
-        if ggml_type == GGML.F32:
-            return np.asarray(t.data, np.float32).reshape(-1)
-        return self._dequantize(name, np.asarray(t.data), ggml_type).astype(np.float32).reshape(-1)
+        data = self.file.data(name)
+        if t.ggml_type == GGML.F32:
+            return data.reshape(-1)
+        if t.ggml_type == GGML.F16:
+            return data.astype(np.float32).reshape(-1)
+        return self._dequantize(name, data, t.ggml_type).astype(np.float32).reshape(-1)
 
     def _get(self, name: str):
-        t = self._tensors.get(name)
+        t = self.file.tensors.get(name)
         if t is None:
             raise ModelError(f"{self.path}: tensor {name} is missing")
         return t

@@ -4,6 +4,8 @@ so `dllama worker` on a Raspberry Pi never imports the root's dependencies."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
 
 import click
@@ -43,10 +45,11 @@ def cli():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user-facing errors become one line on stderr and a non-zero exit."""
+    """Entry point: errors become one line on stderr and a non-zero exit (DLLAMA_DEBUG=1 shows
+    the traceback of an unexpected one)."""
     try:
-        cli.main(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
+        code = cli.main(args=argv, standalone_mode=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(130)
     except click.ClickException as e:
         e.show()
@@ -54,5 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     except DllamaError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except Exception as e:
+        if os.environ.get("DLLAMA_DEBUG"):
+            raise
+        click.echo(f"error: {type(e).__name__}: {e} (set DLLAMA_DEBUG=1 for details)", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,108 @@
+"""The root's view of the model: feed tokens, get logit summaries back.
+
+`Engine` is what generation, chat, perplexity and the API server talk to; whether the model runs
+on this process alone (`LocalEngine`) or across a cluster (`dllama.cluster`) is hidden behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ContextOverflow
+from .gguf_model import GGUFModel
+from .model import ShardModel, ShardWeights
+from .plan import Plan
+from .sampling import LogitSummary, SamplingParams, summarize
+from .weights import Matrix
+
+PREFILL_CHUNK = 256  # tokens per forward pass while reading a prompt (bounds activation memory)
+
+
+@dataclass
+class StepStats:
+    """Cumulative counters; generation reports differences of two snapshots."""
+
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+    def copy(self) -> "StepStats":
+        return StepStats(self.compute_s, self.sync_s, self.bytes_sent, self.bytes_recv)
+
+    def __sub__(self, other: "StepStats") -> "StepStats":
+        return StepStats(self.compute_s - other.compute_s, self.sync_s - other.sync_s,
+                         self.bytes_sent - other.bytes_sent, self.bytes_recv - other.bytes_recv)
+
+
+class Engine:
+    """Holds the KV cache position. Subclasses implement `_forward`."""
+
+    config: ModelConfig
+    ctx_size: int
+    n_nodes: int = 1
+    sync_name: str = "none"
+    sync_dtype: str = "f32"
+
+    def __init__(self):
+        self.n_cached = 0  # tokens in the KV cache
+        self.stats = StepStats()
+
+    async def feed(self, tokens: list[int], params: SamplingParams, recent: list[int] = (),
+                   targets: list[int] | None = None) -> list[list[LogitSummary]]:
+        """Append tokens to the context. Returns, for the last position (or with `targets`, one
+        per token: the token that follows it, for every position), one summary per node."""
+        if self.n_cached + len(tokens) > self.ctx_size:
+            raise ContextOverflow(f"{self.n_cached + len(tokens)} tokens do not fit the context of {self.ctx_size}")
+        out: list[list[LogitSummary]] = []
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[i:i + PREFILL_CHUNK]
+            last = i + len(chunk) == len(tokens)
+            chunk_targets = None if targets is None else targets[i:i + len(chunk)]
+            if chunk_targets is None and not last:
+                await self._forward(chunk, self.n_cached, params, recent, None, want_logits=False)
+            else:
+                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, want_logits=True)
+            self.n_cached += len(chunk)
+        return out
+
+    def rewind(self, n_tokens: int) -> None:
+        """Forget the context after its first n_tokens (the cache is overwritten from there)."""
+        self.n_cached = min(self.n_cached, n_tokens)
+
+    async def _forward(self, tokens, start, params, recent, targets, want_logits) -> list[list[LogitSummary]]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class LocalEngine(Engine):
+    """The whole model in this process: one shard holding everything."""
+
+    def __init__(self, model: GGUFModel, ctx_size: int):
+        super().__init__()
+        self.config = model.config
+        self.embedding: Matrix = model.matrix("token_embd.weight")
+        shard = Plan.single(self.config).shards[0]
+        self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size)
+        self.ctx_size = self.model.ctx_size
+
+    async def _forward(self, tokens, start, params, recent, targets, want_logits):
+        t0 = time.perf_counter()
+        x = self.embedding.row_values(np.asarray(tokens))
+        h = await self.model.forward(x, start)
+        summaries = []
+        if want_logits:
+            rows = h if targets is not None else h[-1:]
+            logits = self.model.logits(rows)
+            vocab_start = self.model.shard.vocab[0]
+            for i, row in enumerate(logits):
+                summaries.append([summarize(row, vocab_start, params, recent,
+                                            None if targets is None else targets[i])])
+        self.stats.compute_s += time.perf_counter() - t0
+        return summaries

@@ -1,0 +1,132 @@
+"""Sampling over a vocabulary that is split across nodes.
+
+No node ever sends its full logits. Each node reduces its vocabulary slice to a small
+`LogitSummary` (its best candidates, the log-sum-exp of its slice, and the logit of a given
+target token when it owns it); the root merges the summaries:
+- greedy: the best candidate of all nodes (ties to the lowest token id, like argmax);
+- temperature / top-k / top-p: the union of the nodes' top candidates, with probabilities
+  normalized by the global log-sum-exp, so they are exact for every candidate kept
+  (top-k is capped at MAX_CANDIDATES per node);
+- perplexity: log p(target) = target logit - global log-sum-exp.
+A 1-node run goes through exactly the same path with one summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_CANDIDATES = 256  # per node, per position
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 40  # 0: no limit (up to MAX_CANDIDATES per node)
+    top_p: float = 0.9  # 1.0: no nucleus cut
+    repeat_penalty: float = 1.0  # llama.cpp style: 1.0 is off
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def n_candidates(self) -> int:
+        if self.greedy:
+            return 1
+        return min(self.top_k, MAX_CANDIDATES) if self.top_k > 0 else MAX_CANDIDATES
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n}
+
+
+@dataclass
+class LogitSummary:
+    """One node's view of one position's logits over its vocabulary slice."""
+
+    ids: np.ndarray  # int64 candidate token ids (global ids), best first
+    logits: np.ndarray  # float32 their logits (after repetition penalty)
+    lse: float  # log-sum-exp of logits/temperature over the whole slice (temperature 1 if greedy)
+    target_logit: float | None = None  # logit of the target token, if this slice owns it
+
+    def to_wire(self) -> dict:
+        return {"ids": self.ids.astype(np.int64).tobytes(), "logits": self.logits.astype(np.float32).tobytes(),
+                "lse": float(self.lse), "target": self.target_logit}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "LogitSummary":
+        return cls(np.frombuffer(d["ids"], np.int64), np.frombuffer(d["logits"], np.float32), float(d["lse"]),
+                   d["target"])
+
+
+def apply_repeat_penalty(logits: np.ndarray, vocab_start: int, recent: list[int], penalty: float) -> None:
+    """llama.cpp's repetition penalty on the slice [vocab_start, vocab_start + len) in place."""
+    if penalty == 1.0 or not recent:
+        return
+    ids = np.unique(np.asarray(recent, np.int64)) - vocab_start
+    ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
+    values = logits[ids]
+    logits[ids] = np.where(values > 0, values / penalty, values * penalty)
+
+
+def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, recent: list[int] = (),
+              target: int | None = None) -> LogitSummary:
+    """Reduce one position's logit slice (float32, 1-D) to a summary."""
+    logits = np.array(logits, dtype=np.float32)
+    apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
+    k = min(params.n_candidates, logits.shape[0])
+    if k == 1:
+        top = np.array([int(np.argmax(logits))])
+    else:
+        top = np.argpartition(-logits, k - 1)[:k]
+        top = top[np.lexsort((top, -logits[top]))]  # best first, ties by id
+    temperature = params.temperature if not params.greedy else 1.0
+    scaled = logits.astype(np.float64) / temperature
+    peak = scaled.max()
+    lse = float(peak + np.log(np.exp(scaled - peak).sum()))
+    target_logit = None
+    if target is not None and vocab_start <= target < vocab_start + logits.shape[0]:
+        target_logit = float(logits[target - vocab_start])
+    return LogitSummary(top.astype(np.int64) + vocab_start, logits[top], lse, target_logit)
+
+
+def global_lse(summaries: list[LogitSummary]) -> float:
+    lses = np.array([s.lse for s in summaries])
+    peak = lses.max()
+    return float(peak + np.log(np.exp(lses - peak).sum()))
+
+
+@dataclass
+class Sampler:
+    params: SamplingParams
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def pick(self, summaries: list[LogitSummary]) -> int:
+        ids = np.concatenate([s.ids for s in summaries])
+        logits = np.concatenate([s.logits for s in summaries])
+        order = np.lexsort((ids, -logits))  # best first, ties by lowest id
+        ids, logits = ids[order], logits[order]
+        if self.params.greedy:
+            return int(ids[0])
+        if self.params.top_k > 0:
+            ids, logits = ids[: self.params.top_k], logits[: self.params.top_k]
+        probs = np.exp(logits.astype(np.float64) / self.params.temperature - global_lse(summaries))
+        if self.params.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), self.params.top_p * probs.sum()) + 1)
+            ids, probs = ids[:keep], probs[:keep]
+        return int(self.rng.choice(ids, p=probs / probs.sum()))
+
+
+def target_logprob(summaries: list[LogitSummary]) -> float:
+    """log p(target) from the summaries of one position (computed at temperature 1)."""
+    owned = [s.target_logit for s in summaries if s.target_logit is not None]
+    if len(owned) != 1:
+        raise ValueError("exactly one node must own the target token")
+    return owned[0] - global_lse(summaries)
