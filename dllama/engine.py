@@ -84,12 +84,15 @@ class Engine:
 class LocalEngine(Engine):
     """The whole model in this process: one shard holding everything."""
 
-    def __init__(self, model: GGUFModel, ctx_size: int):
+    def __init__(self, model: GGUFModel, ctx_size: int, sync_dtype: str = "f32"):
         super().__init__()
         self.config = model.config
+        self.sync_dtype = sync_dtype
         self.embedding: Matrix = model.matrix("token_embd.weight")
         shard = Plan.single(self.config).shards[0]
-        self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size)
+        # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results
+        self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
+                                wide_partials=sync_dtype == "f64")
         self.ctx_size = self.model.ctx_size
 
     async def _forward(self, tokens, start, params, recent, targets, want_logits):

@@ -35,6 +35,7 @@ class GGUFModel:
         self.metadata = self.file.metadata
         self.config = self._read_config()
         self.chat_template: str | None = self.field("tokenizer.chat_template")
+        self._converted: dict[str, Matrix] = {}  # non-native tensors, converted once
 
     # ------------------------------------------------------------------ metadata
 
@@ -98,10 +99,12 @@ class GGUFModel:
         data = self.file.data(name)
         if ggml_type in QType._value2member_map_:
             return Matrix(QType(ggml_type), rows, cols, data)
-        target = self._requant_target(name, ggml_type)
-        chunks = [quantize(self._dequantize(name, data[r:r + _REQUANT_ROWS], ggml_type), target)
-                  for r in range(0, rows, _REQUANT_ROWS)]
-        return Matrix(target, rows, cols, np.concatenate(chunks))
+        if name not in self._converted:
+            target = self._requant_target(name, ggml_type)
+            chunks = [quantize(self._dequantize(name, data[r:r + _REQUANT_ROWS], ggml_type), target)
+                      for r in range(0, rows, _REQUANT_ROWS)]
+            self._converted[name] = Matrix(target, rows, cols, np.concatenate(chunks))
+        return self._converted[name]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's scale, RoPE frequency factors) as float32."""

@@ -103,10 +103,18 @@ def shard_tensors(model: GGUFModel, shard: Shard) -> Iterator[tuple[str, Matrix 
 
 
 class ShardModel:
-    """A node's slice of the transformer, with the KV cache of its heads."""
+    """A node's slice of the transformer, with the KV cache of its heads.
 
-    def __init__(self, config: ModelConfig, shard: Shard, weights: ShardWeights, ctx_size: int):
+    wide_partials: compute the two cross-node partial sums (attention output and FFN down
+    projections, whose columns are split) in float64. Their all-reduce is then exact up to
+    float64 rounding, so the result no longer depends on the number of nodes or the sync
+    algorithm: N nodes reproduce 1 node in the same mode. Off (f32, llama.cpp's own order on one
+    node) by default, as it doubles the bytes each all-reduce carries."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, weights: ShardWeights, ctx_size: int,
+                 wide_partials: bool = False):
         self.config, self.shard, self.weights, self.ctx_size = config, shard, weights, ctx_size
+        self.wide = wide_partials
         g = config.group_size
         self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
         # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
@@ -138,15 +146,15 @@ class ShardModel:
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
                 v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
                 att = attention(q, k_cache, v_cache, self.kv_of_head, start)
-                partial = w.wo.matmul(att.reshape(T, nq * hd))
+                partial = w.wo.matmul(att.reshape(T, nq * hd), wide=self.wide)
             else:
-                partial = np.zeros_like(x)
+                partial = np.zeros(x.shape, np.float64 if self.wide else np.float32)
             x += await all_reduce(partial)  # sync point 1
 
             # feed-forward over this node's hidden units
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
             a = silu_mul(w.w_gate.matmul(h), w.w_up.matmul(h))
-            x += await all_reduce(w.w_down.matmul(a))  # sync point 2
+            x += await all_reduce(w.w_down.matmul(a, wide=self.wide))  # sync point 2
         return x
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -48,9 +48,9 @@ class Matrix:
         """A compact in-RAM copy (for sending, or to drop a reference into a file map)."""
         return Matrix(self.qtype, self.rows, self.cols, np.ascontiguousarray(self.data))
 
-    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """x (T, cols) or (cols,) -> (T, rows) or (rows,)."""
-        return matmul(self.data, self.qtype, x, out)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, wide: bool = False) -> np.ndarray:
+        """x (T, cols) or (cols,) -> (T, rows) or (rows,); float64 if wide (see kernels.matmul)."""
+        return matmul(self.data, self.qtype, x, out, wide)
 
     def row_values(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows (an embedding lookup): float32 (len(index), cols)."""

@@ -18,11 +18,9 @@ DEFAULT_CTX = 4096
 
 def run_async(coro):
     """Run a coroutine on uvloop where it is installed (faster sockets), else asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    from ..net import run
+
+    return run(coro)
 
 
 def model_options(f):
@@ -32,6 +30,34 @@ def model_options(f):
                   help="Compute threads per node (default: all cores).")
     @click.option("--ctx-size", "--max-seq-len", "-c", type=click.IntRange(16), default=None,
                   help=f"Context length in tokens (default: the model's, at most {DEFAULT_CTX}).")
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
+def _split_list(values) -> list[str]:
+    return [item for value in values for item in value.replace(",", " ").split()]
+
+
+def cluster_options(f):
+    @click.option("--workers", "-w", multiple=True, metavar="HOST:PORT",
+                  help="Worker daemons to use (repeat, or separate with commas).")
+    @click.option("--local-workers", type=click.IntRange(0), default=0,
+                  help="Start N worker processes on this machine for this run (N workers + the root).")
+    @click.option("--sync", "sync_algo", default="auto", show_default=True,
+                  type=click.Choice(["star", "ring", "mesh", "rd", "rabenseifner", "auto"]),
+                  help="All-reduce algorithm between nodes.")
+    @click.option("--sync-dtype", "--buffer-float-type", default="f32", show_default=True,
+                  type=click.Choice(["f32", "f64", "f16", "q80"]),
+                  help="Payload of the all-reduces; f64 makes results independent of the node count.")
+    @click.option("--weights", "node_weights", default=None, metavar="W0,W1,..|auto",
+                  help="Relative share of each node (root first), or 'auto' to measure their speed.")
+    @click.option("--secret", envvar="DLLAMA_SECRET", default=None,
+                  help="Shared secret for node authentication (env DLLAMA_SECRET).")
+    @click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+                  help="Seconds a silent node is given before it is declared dead.")
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         return f(*args, **kwargs)
@@ -60,32 +86,81 @@ def sampling_params(opts: dict) -> SamplingParams:
 
 @dataclass
 class Runtime:
-    """What a model command needs: the engine and the tokenizer."""
+    """What a model command needs: the engine, the tokenizer, and what to stop at the end."""
 
     engine: object
     tokenizer: object
     model_path: str
+    local_workers: object = None
+
+    async def close(self) -> None:
+        try:
+            await self.engine.close()
+        finally:
+            if self.local_workers is not None:
+                self.local_workers.stop()
 
 
-def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
+def _parse_weights(text: str | None):
+    if text is None or text == "auto":
+        return text
+    try:
+        weights = [float(x) for x in _split_list([text])]
+    except ValueError:
+        raise DllamaError(f"--weights takes numbers separated by commas, or 'auto' (got {text!r})") from None
+    if not weights or any(w <= 0 for w in weights):
+        raise DllamaError("--weights must be positive numbers")
+    return weights
+
+
+async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
     from ..engine import LocalEngine
     from ..gguf_model import GGUFModel
     from ..kernels import set_threads
     from ..registry import resolve_model
     from ..tokenizer import Tokenizer
 
-    threads = set_threads(opts.get("threads"))
     path = resolve_model(opts.get("model"))
     model = GGUFModel(path)
     cfg = model.config
     ctx = min(opts.get("ctx_size") or min(cfg.context_length, DEFAULT_CTX), cfg.context_length)
     tokenizer = Tokenizer(path, model.chat_template, cfg.bos_id, cfg.eos_id)
-    engine = LocalEngine(model, ctx)
+    workers = [_address(a) for a in _split_list(opts.get("workers") or ())]
+    n_local = opts.get("local_workers") or 0
+    threads = opts.get("threads")
+    if n_local and threads is None:  # the root and its local workers share this machine's cores
+        threads = max(1, (os.cpu_count() or 1) // (n_local + 1))
+    threads = set_threads(threads)
+    local = None
+    if workers or n_local:
+        from ..cluster.local import LocalWorkers
+        from ..cluster.root import ClusterEngine
+
+        if n_local:
+            local = LocalWorkers(n_local, threads, opts.get("secret"), opts.get("timeout", 30.0))
+            workers += local.start()
+        try:
+            engine = await ClusterEngine(
+                model, ctx, workers, algo=opts.get("sync_algo", "auto"), sync_dtype=opts.get("sync_dtype", "f32"),
+                weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
+                timeout=opts.get("timeout", 30.0), spin=0.0 if n_local else None, progress=not quiet).start()
+        except BaseException:
+            if local is not None:
+                local.stop()
+            raise
+    else:
+        engine = LocalEngine(model, ctx, opts.get("sync_dtype", "f32"))
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "
-             f"{engine.n_nodes} node(s), {threads} thread(s)")
-    return Runtime(engine, tokenizer, path)
+             f"{engine.n_nodes} node(s) ({engine.sync_name} sync, {engine.sync_dtype}), {threads} thread(s) each")
+    return Runtime(engine, tokenizer, path, local)
+
+
+def _address(text: str) -> tuple[str, int]:
+    from ..cluster.root import parse_address
+
+    return parse_address(text)
 
 
 def info(message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sys
@@ -12,12 +13,13 @@ import click
 from ..errors import DllamaError
 from ..generate import Generator, peak_rss_mb
 from ..sampling import SamplingParams, target_logprob
-from .common import (info, model_options, open_runtime, read_text_file, run_async, sampling_options,
-                     sampling_params, stdout_write)
+from .common import (cluster_options, info, model_options, open_runtime, read_text_file, run_async,
+                     sampling_options, sampling_params, stdout_write)
 
 
 @click.command()
 @model_options
+@cluster_options
 @sampling_options
 @click.option("--prompt", "-p", required=True, help="Raw prompt (no chat template), like llama.cpp's completion.")
 @click.option("--steps", "-n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate at most.")
@@ -29,7 +31,7 @@ def inference(prompt, steps, stop, as_json, **opts):
 
 
 async def _inference(prompt, steps, stop, as_json, opts):
-    rt = open_runtime(opts, quiet=as_json)
+    rt = await open_runtime(opts, quiet=as_json)
     try:
         ids = rt.tokenizer.encode(prompt)
         if not as_json:
@@ -50,11 +52,12 @@ async def _inference(prompt, steps, stop, as_json, opts):
         if gen.error:
             raise DllamaError(f"{gen.error} (after {len(gen.tokens)} generated tokens; the text so far is above)")
     finally:
-        await rt.engine.close()
+        await rt.close()
 
 
 @click.command()
 @model_options
+@cluster_options
 @sampling_options
 @click.option("--system", "system_prompt", default=None, help="System prompt.")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=512, show_default=True,
@@ -65,7 +68,7 @@ def chat(system_prompt, max_tokens, **opts):
 
 
 async def _chat(system_prompt, max_tokens, opts):
-    rt = open_runtime(opts)
+    rt = await open_runtime(opts)
     try:
         if not rt.tokenizer.has_chat_template:
             raise DllamaError("this model has no chat template; use `dllama inference`")
@@ -78,7 +81,8 @@ async def _chat(system_prompt, max_tokens, opts):
         while True:
             if interactive:
                 stdout_write("\n> ")
-            line = sys.stdin.readline()
+            # read in a thread: the event loop keeps answering the workers' heartbeats meanwhile
+            line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
             if not line or line.strip() in ("exit", "quit", "/bye"):
                 break
             if not line.strip():
@@ -94,11 +98,12 @@ async def _chat(system_prompt, max_tokens, opts):
                 info(f"[{len(gen.tokens)} tokens, {len(gen.tokens) / gen.decode_s if gen.decode_s else 0:.1f} tok/s, "
                      f"{gen.prefill_tokens} prompt tokens computed, {len(ids) - gen.prefill_tokens} reused]")
     finally:
-        await rt.engine.close()
+        await rt.close()
 
 
 @click.command()
 @model_options
+@cluster_options
 @click.option("--text-file", "-f", required=True, type=click.Path(dir_okay=False), help="UTF-8 text to score.")
 @click.option("--max-tokens", type=click.IntRange(2), default=None, help="Score only the first N tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -109,7 +114,7 @@ def perplexity(text_file, max_tokens, as_json, **opts):
 
 async def _perplexity(text_file, max_tokens, as_json, opts):
     text = read_text_file(text_file)
-    rt = open_runtime(opts, quiet=as_json)
+    rt = await open_runtime(opts, quiet=as_json)
     try:
         ids = rt.tokenizer.encode(text)
         if max_tokens:
@@ -137,4 +142,4 @@ async def _perplexity(text_file, max_tokens, as_json, opts):
             click.echo(f"perplexity {result['perplexity']:.4f} (mean log-prob {mean:.4f} over {len(logprobs)} tokens, "
                        f"{result['tokens_per_s']:.1f} tok/s)")
     finally:
-        await rt.engine.close()
+        await rt.close()

@@ -17,7 +17,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType
-from .simd import dot_f16_f16, dot_q4_0_q8, dot_q4_1_q8, dot_q8_0_q8
+from .simd import (dot_f16_f16, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q8_0_q8,
+                   dot_q8_0_q8_wide)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -126,6 +127,32 @@ def _mm_f32(w, x, out):
             out[t, r] = acc
 
 
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_quant_wide(w, fmt, xq, xd, xds, out):
+    T = xq.shape[0]
+    for r in prange(w.shape[0]):
+        for t in range(T):
+            if fmt == _Q4_1:
+                out[t, r] = dot_q4_1_q8_wide(w, r, xq, xd, xds, t)
+            elif fmt == _Q4_0:
+                out[t, r] = dot_q4_0_q8_wide(w, r, xq, xd, xds, t)
+            else:
+                out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_float_wide(w, x, out):
+    """float64 accumulation of f32 products (exact for f16 and f32 inputs)."""
+    rows, cols = w.shape
+    T = x.shape[0]
+    for r in prange(rows):
+        for t in range(T):
+            acc = 0.0
+            for c in range(cols):
+                acc += np.float64(np.float32(w[r, c]) * x[t, c])
+            out[t, r] = acc
+
+
 _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0}
 
 
@@ -153,15 +180,24 @@ class Activations:
         return self._f16
 
 
-def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: bool = False) -> np.ndarray:
     """out = x @ W.T for W (rows, cols) in a native format; x is (T, cols) or (cols,) float32, or
-    an `Activations`. The result is (T, rows), or (rows,) for a 1-D x."""
+    an `Activations`. The result is (T, rows), or (rows,) for a 1-D x.
+    wide: accumulate and return float64, so that partial sums over column slices add up to the
+    whole product up to float64 rounding (the exact reduction mode of the cluster)."""
     if not isinstance(x, Activations):
         if np.ndim(x) == 1:
-            return matmul(w, qtype, Activations(x), None if out is None else out[None, :])[0]
+            return matmul(w, qtype, Activations(x), None if out is None else out[None, :], wide)[0]
         x = Activations(x)
     if out is None:
-        out = np.empty((x.x.shape[0], w.shape[0]), np.float32)
+        out = np.empty((x.x.shape[0], w.shape[0]), np.float64 if wide else np.float32)
+    if wide:
+        if qtype in _QUANT_KERNEL:
+            a = x.q8
+            _mm_quant_wide(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
+        else:
+            _mm_float_wide(w, x.x if qtype == QType.F32 else round_f16(x.x), out)
+        return out
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)

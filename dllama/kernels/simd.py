@@ -21,7 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F16, _F32 = ir.HalfType(), ir.FloatType()
+_F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 _LANES = 8
 
 
@@ -50,7 +50,9 @@ def _intrinsic_fn(builder, name: str, ret: ir.Type, args: list[ir.Type]):
 
 def _fmuladd(builder, a, b, c):
     """a*b + c, fused where the CPU has FMA (as GGML's AVX2 path), separately where it has not."""
-    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    elem = a.type.element if isinstance(a.type, ir.VectorType) else a.type
+    name = "f64" if isinstance(elem, ir.DoubleType) else "f32"
+    suffix = f"v{a.type.count}{name}" if isinstance(a.type, ir.VectorType) else name
     return builder.call(_intrinsic_fn(builder, f"llvm.fmuladd.{suffix}", a.type, [a.type] * 3), [a, b, c])
 
 
@@ -103,14 +105,16 @@ def _row_ptr(context, builder, array_type, array, row):
     return builder.gep(base, [builder.mul(row, stride)])
 
 
-def _quant_row_dot(fmt: str):
+def _quant_row_dot(fmt: str, wide: bool = False):
     """Build the intrinsic dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format
     `fmt`) against Q8 activation row t (xq int8 values, xd f16-rounded block scales, xds block
-    d*sum(q), which only Q4_1 reads)."""
+    d*sum(q), which only Q4_1 reads). wide: accumulate in float64 and return it (every block's
+    contribution is exact in float64, so only the additions round, at 2^-53)."""
     block_bytes, qs_offset = _BLOCK[fmt]
+    acc_t = _F64 if wide else _F32
 
     def typer(typingctx, w, r, xq, xd, xds, t):
-        sig = types.float32(w, r, xq, xd, xds, t)
+        sig = (types.float64 if wide else types.float32)(w, r, xq, xd, xds, t)
 
         def codegen(context, builder, signature, args):
             w_arr, row, xq_arr, xd_arr, xds_arr, tok = args
@@ -122,9 +126,9 @@ def _quant_row_dot(fmt: str):
             xd_ptr = builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, tok), _F32.as_pointer())
             xds_ptr = builder.bitcast(_row_ptr(context, builder, ty[4], xds_arr, tok), _F32.as_pointer())
             n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
-            acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), None))
-            builder.store(ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES), acc_slot)
-            summs_slot = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(acc_t, _LANES), None))
+            builder.store(ir.Constant(_vec(acc_t, _LANES), [0.0] * _LANES), acc_slot)
+            summs_slot = cgutils.alloca_once_value(builder, ir.Constant(acc_t, 0.0))
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 block = builder.mul(b, ir.Constant(_I64, block_bytes))
@@ -140,12 +144,14 @@ def _quant_row_dot(fmt: str):
                     if fmt == "q4_0":
                         quants = builder.sub(quants, _const_vec(_I8, [8] * 32))
                 xq = _load_at(builder, xq_ptr, builder.mul(b, ir.Constant(_I64, 32)), _I8, 32)
-                quads = builder.sitofp(_quad_dot(builder, quants, xq, w_unsigned=fmt == "q4_1"), _vec(_F32, _LANES))
-                scale = _splat(builder, builder.fmul(d_w, d_x), _LANES)
+                quads = builder.sitofp(_quad_dot(builder, quants, xq, w_unsigned=fmt == "q4_1"), _vec(acc_t, _LANES))
+                scale = builder.fmul(d_w, d_x)  # exact: two f16 significands fit in f32
+                scale = _splat(builder, builder.fpext(scale, _F64) if wide else scale, _LANES)
                 builder.store(_fmuladd(builder, scale, quads, builder.load(acc_slot)), acc_slot)
                 if fmt == "q4_1":
-                    m_w = builder.fpext(_load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, 2)), _F16), _F32)
+                    m_w = builder.fpext(_load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, 2)), _F16), acc_t)
                     ds_x = builder.load(builder.gep(xds_ptr, [b]))
+                    ds_x = builder.fpext(ds_x, _F64) if wide else ds_x
                     builder.store(_fmuladd(builder, m_w, ds_x, builder.load(summs_slot)), summs_slot)
             total = _hsum8(builder, builder.load(acc_slot))
             if fmt == "q4_1":
@@ -154,13 +160,16 @@ def _quant_row_dot(fmt: str):
 
         return sig, codegen
 
-    typer.__name__ = f"dot_{fmt}_q8"
+    typer.__name__ = f"dot_{fmt}_q8{'_wide' if wide else ''}"
     return intrinsic(typer)
 
 
 dot_q4_0_q8 = _quant_row_dot("q4_0")
 dot_q4_1_q8 = _quant_row_dot("q4_1")
 dot_q8_0_q8 = _quant_row_dot("q8_0")
+dot_q4_0_q8_wide = _quant_row_dot("q4_0", wide=True)
+dot_q4_1_q8_wide = _quant_row_dot("q4_1", wide=True)
+dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
 
 
 @intrinsic

@@ -1,0 +1,42 @@
+"""`dllama worker`: the daemon a Raspberry Pi (or any node) runs. It needs no model file."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from ..cluster.slice_cache import default_cache_dir
+from .common import run_async
+
+
+@click.command()
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=9998, show_default=True, help="0 picks a free port.")
+@click.option("--threads", "--nthreads", "-t", type=click.IntRange(1), default=None,
+              help="Compute threads (default: all cores).")
+@click.option("--secret", envvar="DLLAMA_SECRET", default=None,
+              help="Shared secret: roots and peers must prove they know it (env DLLAMA_SECRET).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help=f"Where received weight slices are kept (default: {default_cache_dir()}).")
+@click.option("--no-cache", is_flag=True, help="Keep slices in memory only.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+              help="Seconds a silent peer is given before it is declared dead.")
+@click.option("--quiet", "-q", is_flag=True, help="Log warnings only.")
+def worker(host, port, threads, secret, cache_dir, no_cache, timeout, quiet):
+    """Serve roots: receive a slice of the model, then run forward steps on command."""
+    from ..cluster.worker import serve
+    from ..kernels import set_threads
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s worker %(message)s", datefmt="%H:%M:%S")
+    threads = set_threads(threads)
+
+    def announce(h, p):
+        print(f"listening on {h}:{p}", flush=True)
+        logging.getLogger("dllama.worker").info("listening on %s:%d with %d thread(s)", h, p, threads)
+
+    run_async(serve(host, port, threads=threads, secret=secret,
+                    cache_dir=None if no_cache else (cache_dir or default_cache_dir()), timeout=timeout,
+                    announce=announce))

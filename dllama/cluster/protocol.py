@@ -1,0 +1,48 @@
+"""Root <-> worker control protocol, on top of dllama.net framing.
+
+    root                                   worker
+    PROBE {measure}                  ->
+                                     <-    PROBED {gmacs, mem_available, threads, version}
+    SETUP {session, rank, world, addrs, algo, sync_dtype, config, shard, ctx_size, manifest}  ->
+                                     <-    NEED {names}            (what its slice cache lacks)
+    TENSOR (raw, chunked) per needed tensor, in manifest order  ->
+                                     <-    LOADED {}               (checksums verified)
+    GO {}                            ->    (both join the sync group)
+                                     <-    READY {rss_mb, load_s, cached}
+    FORWARD {start, n, logits, targets, params, recent} + ACTIVATIONS (raw, n x dim f32)  ->
+                                     <-    RESULT {summaries, stats}   or FAILED {error}
+    END {}                           ->    (session over; the worker waits for the next root)
+
+Any message may be answered by FAILED {error}; the session then ends on both sides.
+"""
+
+from __future__ import annotations
+
+from ..net import MSG, RAW, register_kind
+
+TENSOR_CHUNK = 8 << 20  # weight bytes per TENSOR frame
+MAX_SETUP = 32 << 20  # the manifest of a big model is long
+
+PROBE = register_kind("cluster.probe", 64, MSG)
+PROBED = register_kind("cluster.probed", 65, MSG)
+SETUP = register_kind("cluster.setup", 66, MSG, MAX_SETUP)
+NEED = register_kind("cluster.need", 67, MSG, MAX_SETUP)
+TENSOR = register_kind("cluster.tensor", 68, RAW, TENSOR_CHUNK)
+LOADED = register_kind("cluster.loaded", 69, MSG)
+GO = register_kind("cluster.go", 70, MSG)
+READY = register_kind("cluster.ready", 71, MSG)
+FORWARD = register_kind("cluster.forward", 72, MSG, 16 << 20)
+ACTIVATIONS = register_kind("cluster.activations", 73, RAW, 256 << 20)
+RESULT = register_kind("cluster.result", 74, MSG, 64 << 20)
+FAILED = register_kind("cluster.failed", 75, MSG)
+END = register_kind("cluster.end", 76, MSG)
+
+# Payload of the all-reduces. f64: partial sums in float64 end to end, so the result does not
+# depend on the node count or the algorithm (see ShardModel); the others carry float32 partials.
+CODEC_OF_SYNC_DTYPE = {"f32": None, "f64": None, "f16": "f16", "q80": "q80"}
+
+
+def chunks(nbytes: int):
+    """(start, stop) byte ranges in which a tensor travels."""
+    for start in range(0, nbytes, TENSOR_CHUNK):
+        yield start, min(nbytes, start + TENSOR_CHUNK)
