@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds from source here (a few minutes, once)
 	$(BIN)/python -m pip install --quiet -e '.[root,test]'
+	$(BIN)/python -m dllama.kernels.warmup
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

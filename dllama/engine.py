@@ -70,6 +70,12 @@ class Engine:
             self.n_cached += len(chunk)
         return out
 
+    async def warm_up(self) -> None:
+        """One throw-away step, so that loading the compiled kernels (on every node) is not
+        counted as the first prompt's time."""
+        await self.feed([0], SamplingParams(temperature=0.0))
+        self.rewind(0)
+
     def rewind(self, n_tokens: int) -> None:
         """Forget the context after its first n_tokens (the cache is overwritten from there)."""
         self.n_cached = min(self.n_cached, n_tokens)

@@ -23,12 +23,13 @@ class Generation:
     error: str | None = None
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the KV cache)
     prefill_s: float = 0.0
+    decode_steps: int = 0  # forward passes of one generated token (the first comes from the prefill)
     decode_s: float = 0.0
     decode_stats: StepStats = field(default_factory=StepStats)
 
     def report(self, engine: Engine) -> dict:
         """The `inference --json` object of design.md."""
-        n = max(len(self.tokens), 1)
+        n = max(self.decode_steps, 1)
         per_token = lambda v: v / n  # noqa: E731
         return {
             "text": self.text,
@@ -39,7 +40,7 @@ class Generation:
             "nodes": engine.n_nodes,
             "sync": engine.sync_name,
             "sync_dtype": engine.sync_dtype,
-            "tokens_per_s": len(self.tokens) / self.decode_s if self.decode_s else 0.0,
+            "tokens_per_s": self.decode_steps / self.decode_s if self.decode_s else 0.0,
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
             "ms_per_token": {
                 "total": per_token(self.decode_s) * 1e3,
@@ -69,7 +70,7 @@ class Generator:
                        stop: list[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
         if not prompt:
             raise DllamaError("the prompt is empty")
-        if len(prompt) >= self.engine.ctx_size:
+        if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
         reused = _common_prefix(self.history, prompt)
         reused = min(reused, len(prompt) - 1)  # at least one token must run to produce logits
@@ -81,13 +82,13 @@ class Generator:
         emitter = _StopEmitter(list(stop), on_text)
         decoder = StreamDecoder(self.tokenizer)
         window = params.repeat_last_n
+        t0 = time.perf_counter()
+        decode_t0, stats0 = None, None
         try:
-            t0 = time.perf_counter()
             summaries = await self.engine.feed(prompt[reused:], params, recent=prompt[-window:])
             self.history = list(prompt)
             out.prefill_s = time.perf_counter() - t0
-
-            t0, stats0 = time.perf_counter(), self.engine.stats.copy()
+            decode_t0, stats0 = time.perf_counter(), self.engine.stats.copy()
             while len(out.tokens) < max_tokens:
                 token = sampler.pick(summaries[-1])
                 if self.tokenizer.is_eog(token):
@@ -97,16 +98,18 @@ class Generator:
                 if emitter.push(decoder.feed(token)):
                     out.finish_reason = "stop"
                     break
-                if len(out.tokens) == max_tokens or len(self.history) + 1 >= self.engine.ctx_size:
-                    break
+                if len(out.tokens) == max_tokens or len(self.history) >= self.engine.ctx_size:
+                    break  # done, or the token has no room in the KV cache
                 summaries = await self.engine.feed([token], params, recent=(self.history + [token])[-window:])
                 self.history.append(token)
-            out.decode_s = time.perf_counter() - t0
-            out.decode_stats = self.engine.stats.copy() - stats0
+                out.decode_steps += 1
         except DllamaError as e:
             out.finish_reason, out.error = "error", str(e)
             self.history = []  # the cache state is unknown after a failure
             self.engine.rewind(0)
+        if decode_t0 is not None:
+            out.decode_s = time.perf_counter() - decode_t0
+            out.decode_stats = self.engine.stats.copy() - stats0
         if out.finish_reason != "stop":
             emitter.push(decoder.flush())
         emitter.close()
@@ -136,12 +139,11 @@ class _StopEmitter:
     def push(self, piece: str) -> bool:
         """Add text; True once a stop string has appeared (the text is cut before it)."""
         self.text += piece
-        for s in self.stop:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text = self.text[:at]
-                self._emit(len(self.text))
-                return True
+        found = [at for at in (self.text.find(s) for s in self.stop) if at >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            self._emit(len(self.text))
+            return True
         held = max((_partial_suffix(self.text, s) for s in self.stop), default=0)
         self._emit(len(self.text) - held)
         return False

@@ -54,8 +54,12 @@ class GGUFFile:
         self._pos = 0
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, OverflowError) as e:
-            raise ModelError(f"not a valid GGUF file: {path} ({e})") from None
+        except BaseException as e:
+            self._buf.release()
+            self._map.close()
+            if isinstance(e, (struct.error, UnicodeDecodeError, OverflowError)):
+                raise ModelError(f"not a valid GGUF file: {path} ({e})") from None
+            raise
 
     # ------------------------------------------------------------------ parsing
 

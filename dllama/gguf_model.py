@@ -129,6 +129,8 @@ class GGUFModel:
             raise ModelError(f"{self.path}: tensor {name} has unsupported type {_type_name(ggml_type)}") from None
 
     def _dequantize(self, name: str, data: np.ndarray, ggml_type: int) -> np.ndarray:
+        if ggml_type == GGML.F64:  # gguf-py has no dequantizer for plain float64
+            return np.asarray(data, np.float32)
         try:
             return gguf_quants.dequantize(data, GGML(ggml_type))
         except Exception:

@@ -118,11 +118,11 @@ class ShardModel:
         g = config.group_size
         self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
         # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
-        # attention) so each output dimension is one contiguous dot product. np.zeros pages are
-        # only committed when written.
-        self.ctx_size = ctx_size = -(-ctx_size // 8) * 8
-        self.k_cache = [np.zeros((shard.n_kv_heads, ctx_size, config.head_dim), np.float16) for _ in weights.layers]
-        self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, ctx_size), np.float16) for _ in weights.layers]
+        # attention) so each output dimension is one contiguous dot product. The length is padded
+        # to 32, the attention kernel's step; np.zeros pages are only committed when written.
+        cache_len = -(-ctx_size // 32) * 32
+        self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
+        self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
 
     async def forward(self, x: np.ndarray, start: int, all_reduce: AllReduce = no_sync) -> np.ndarray:
         """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every

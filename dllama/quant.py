@@ -51,13 +51,19 @@ FORMATS: dict[QType, Format] = {
 
 QK = 32  # block size of every quantized native format
 
+_INTEGER_TYPES = {GGML.I8, GGML.I16, GGML.I32, GGML.I64}
+
+
 def requant_target(ggml_type: int) -> QType:
     """The native format a non-native GGUF type is converted to on load: the nearest one that
-    loses no precision against it (up to 5 bits/weight -> Q4_1, more -> Q8_0, BF16 -> F16)."""
+    loses no precision against it (up to 5 bits/weight -> Q4_1, more -> Q8_0, BF16 -> F16).
+    Integer tensors are not weights: ValueError."""
     if ggml_type == GGML.BF16:
         return QType.F16
     if ggml_type == GGML.F64:
         return QType.F32
+    if ggml_type in _INTEGER_TYPES:
+        raise ValueError(f"{GGML(ggml_type).name} is not a weight type")
     block_size, type_size = GGML_QUANT_SIZES[GGML(ggml_type)]
     return QType.Q4_1 if type_size * 8 / block_size <= 5.0 else QType.Q8_0
 
@@ -97,7 +103,9 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
 
 
 def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
-    """Reference quantizer (GGML's *_ref rounding): float (rows, cols) -> native layout."""
+    """Reference quantizer: float (rows, cols) -> native layout. Rounds as GGML's x86 SIMD
+    quantizers do (Q8_0: half to even, where GGML's scalar *_ref rounds half away from zero;
+    the two differ only on exact ties)."""
     qtype = QType(qtype)
     x = np.ascontiguousarray(values, dtype=np.float32)
     if x.ndim == 1:

@@ -115,8 +115,8 @@ class Sampler:
         ids, logits = ids[order], logits[order]
         if self.params.greedy:
             return int(ids[0])
-        if self.params.top_k > 0:
-            ids, logits = ids[: self.params.top_k], logits[: self.params.top_k]
+        # the same candidate budget however many nodes offered candidates
+        ids, logits = ids[: self.params.n_candidates], logits[: self.params.n_candidates]
         probs = np.exp(logits.astype(np.float64) / self.params.temperature - global_lse(summaries))
         if self.params.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), self.params.top_p * probs.sum()) + 1)

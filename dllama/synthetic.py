@@ -9,6 +9,8 @@ checked against it the same way. Weights are generated and written one tensor at
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,20 @@ PRESETS = {
 }
 
 _TOKENIZER_KEYS_SKIPPED = {"tokenizer.ggml.add_space_prefix"}
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(path: str, mtime: float) -> tuple[int, list[tuple[str, object, GGUFValueType, object]]]:
+    """(vocabulary size, the tokenizer's metadata as (key, value, type, item type)) of a GGUF.
+    Read with gguf-py (its values are needed, not only their size): seconds on a real
+    vocabulary, so kept for the next model written from the same source."""
+    source = GGUFReader(path)
+    fields = []
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer.") and key not in _TOKENIZER_KEYS_SKIPPED:
+            vtype = field.types[0]
+            fields.append((key, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None))
+    return len(source.fields["tokenizer.ggml.tokens"].data), fields
 
 
 def _tensor_plan(spec: SyntheticSpec, vocab: int):
@@ -86,8 +102,7 @@ def write_synthetic(path: str, spec: SyntheticSpec, tokenizer_gguf: str) -> None
         raise DllamaError(f"unknown weight type {spec.qtype}") from None
     if spec.dim % spec.n_heads or spec.n_heads % spec.n_kv_heads:
         raise DllamaError("dim must divide into heads, and heads into KV heads")
-    source = GGUFReader(tokenizer_gguf)
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    vocab, tokenizer_fields = _tokenizer_fields(os.path.abspath(tokenizer_gguf), os.path.getmtime(tokenizer_gguf))
 
     writer = GGUFWriter(path, "llama")
     writer.add_name(f"synthetic-llama-{spec.dim}x{spec.n_layers}-{spec.qtype}")
@@ -102,11 +117,8 @@ def write_synthetic(path: str, spec: SyntheticSpec, tokenizer_gguf: str) -> None
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(int(qtype) if qtype != GGML.F32 else 0)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer.") and key not in _TOKENIZER_KEYS_SKIPPED:
-            vtype = field.types[0]
-            sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub_type)
+    for key, value, vtype, sub_type in tokenizer_fields:
+        writer.add_key_value(key, value, vtype, sub_type)
 
     plan = list(_tensor_plan(spec, vocab))
     for name, shape, is_matrix in plan:

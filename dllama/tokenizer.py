@@ -86,11 +86,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt for the assistant's next turn (the formatter adds the generation prompt)."""
         if self._template is None:
             raise ModelError("this model has no chat template")
-        result = self._template(messages=messages, add_generation_prompt=add_generation_prompt)
-        return result.prompt
+        return self._template(messages=messages).prompt
 
 
 class StreamDecoder:

@@ -150,6 +150,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
             raise
     else:
         engine = LocalEngine(model, ctx, opts.get("sync_dtype", "f32"))
+    await engine.warm_up()
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "

@@ -34,6 +34,9 @@ async def _inference(prompt, steps, stop, as_json, opts):
     rt = await open_runtime(opts, quiet=as_json)
     try:
         ids = rt.tokenizer.encode(prompt)
+        if len(ids) > rt.engine.ctx_size:
+            raise DllamaError(f"the prompt has {len(ids)} tokens; the context holds {rt.engine.ctx_size} "
+                              "(raise --ctx-size)")
         if not as_json:
             stdout_write(prompt)
         gen = await Generator(rt.engine, rt.tokenizer).generate(
@@ -95,7 +98,7 @@ async def _chat(system_prompt, max_tokens, opts):
                 raise DllamaError(f"{gen.error} (the answer so far is above)")
             messages.append({"role": "assistant", "content": gen.text})
             if interactive:
-                info(f"[{len(gen.tokens)} tokens, {len(gen.tokens) / gen.decode_s if gen.decode_s else 0:.1f} tok/s, "
+                info(f"[{len(gen.tokens)} tokens, {gen.decode_steps / gen.decode_s if gen.decode_s else 0:.1f} tok/s, "
                      f"{gen.prefill_tokens} prompt tokens computed, {len(ids) - gen.prefill_tokens} reused]")
     finally:
         await rt.close()

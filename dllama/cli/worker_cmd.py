@@ -23,8 +23,10 @@ from .common import run_async
 @click.option("--no-cache", is_flag=True, help="Keep slices in memory only.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
               help="Seconds a silent peer is given before it is declared dead.")
+@click.option("--max-memory", type=click.IntRange(1), default=None, metavar="MB",
+              help="Refuse a slice (with its KV cache) larger than this.")
 @click.option("--quiet", "-q", is_flag=True, help="Log warnings only.")
-def worker(host, port, threads, secret, cache_dir, no_cache, timeout, quiet):
+def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, quiet):
     """Serve roots: receive a slice of the model, then run forward steps on command."""
     from ..cluster.worker import serve
     from ..kernels import set_threads
@@ -39,4 +41,4 @@ def worker(host, port, threads, secret, cache_dir, no_cache, timeout, quiet):
 
     run_async(serve(host, port, threads=threads, secret=secret,
                     cache_dir=None if no_cache else (cache_dir or default_cache_dir()), timeout=timeout,
-                    announce=announce))
+                    max_memory=None if max_memory is None else max_memory * 1_000_000, announce=announce))

@@ -66,7 +66,7 @@ class ClusterEngine(Engine):
             raise DllamaError(f"unknown sync dtype {sync_dtype!r} ({', '.join(P.CODEC_OF_SYNC_DTYPE)})")
         self.model_file = model
         self.config = model.config
-        self.ctx_size = -(-ctx_size // 8) * 8
+        self.ctx_size = ctx_size
         self.workers = [WorkerInfo(i + 1, h, p) for i, (h, p) in enumerate(workers)]
         self.n_nodes = len(workers) + 1
         self.sync_name = algo

@@ -52,9 +52,12 @@ def make_entry(name: str, t: Tensor) -> TensorEntry:
 
 
 def from_bytes(entry: TensorEntry, raw: np.ndarray) -> Tensor:
-    """Rebuild a tensor from its bytes (which it then shares: no copy)."""
+    """Rebuild a tensor from its bytes (which it then shares: no copy). Weights are made
+    read-only: like the root's memory-mapped ones, so both run the same compiled kernels."""
     if raw.nbytes != entry.nbytes:
         raise DllamaError(f"tensor {entry.name}: got {raw.nbytes} bytes, expected {entry.nbytes}")
+    raw = raw.view()
+    raw.flags.writeable = False
     if entry.rows == 0:
         return raw.view(np.float32)
     qtype = QType(entry.qtype)

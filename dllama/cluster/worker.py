@@ -29,13 +29,13 @@ from .slices import TensorEntry, checksum, from_bytes
 log = logging.getLogger("dllama.worker")
 
 SETUP_TIMEOUT = 120.0  # a root that connected but says nothing
-STEP_IDLE_TIMEOUT = None  # between steps a root may think (a chat user types); heartbeats keep it alive
 
 
 class Worker:
     def __init__(self, *, threads: int | None = None, secret: str | None = None, cache_dir=None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, max_memory: int | None = None):
         self.threads = threads
+        self.max_memory = max_memory  # bytes this worker may use for a slice and its KV cache
         self.secret = secret
         self.cache = SliceCache(cache_dir)
         self.timeout = timeout
@@ -84,6 +84,10 @@ class Worker:
             log.info("ready for the next root")
 
 
+class _RootEnded(Exception):
+    """The root sent END: the session is over, normally."""
+
+
 class _Session:
     def __init__(self, worker: Worker, conn):
         self.worker = worker
@@ -97,19 +101,33 @@ class _Session:
             self.group = None
         self.worker.inbox.discard(self.session_id)
 
+    async def _recv(self, kinds, timeout):
+        """The next message of one of `kinds`; END from the root (at any point) ends the session."""
+        kind, msg = await self.conn.recv_msg(tuple(kinds) + (P.END,), timeout=timeout)
+        if kind == P.END.name:
+            raise _RootEnded()
+        return kind, msg
+
     async def run(self) -> None:
+        try:
+            await self._run()
+        except _RootEnded:
+            log.info("session %s: the root ended it", self.session_id or "(not set up)")
+
+    async def _run(self) -> None:
         conn = self.conn
         log.info("root %s connected", conn.peer)
-        kind, msg = await conn.recv_msg((P.PROBE, P.SETUP), timeout=SETUP_TIMEOUT)
+        kind, msg = await self._recv((P.PROBE, P.SETUP), SETUP_TIMEOUT)
         if kind == P.PROBE.name:
             speed = measure_speed() if msg.get("measure") else None
-            await conn.send_msg(P.PROBED, {"gmacs": speed, "mem_available": mem_available(),
+            available = [m for m in (mem_available(), self.worker.max_memory) if m is not None]
+            await conn.send_msg(P.PROBED, {"gmacs": speed, "mem_available": min(available) if available else None,
                                            "threads": self.worker.threads, "version": __version__})
-            kind, msg = await conn.recv_msg(P.SETUP, timeout=SETUP_TIMEOUT)
+            kind, msg = await self._recv((P.SETUP,), SETUP_TIMEOUT)
         t0 = time.perf_counter()
         step, cached = await self._load(msg)
         await conn.send_msg(P.LOADED, {"cached": cached})
-        await conn.recv_msg(P.GO, timeout=SETUP_TIMEOUT)
+        await self._recv((P.GO,), SETUP_TIMEOUT)
         addrs = [None if a is None else tuple(a) for a in msg["addrs"]]
         self.group = await init_process_group(
             msg["rank"], msg["world"], addrs, session=self.session_id, algo=msg["algo"],
@@ -127,6 +145,10 @@ class _Session:
         config = ModelConfig.from_dict(setup["config"])
         shard = Shard.from_dict(setup["shard"])
         entries = [TensorEntry.from_dict(e) for e in setup["manifest"]]
+        need = sum(e.nbytes for e in entries) + 4 * config.n_layers * shard.n_kv_heads * config.head_dim * int(setup["ctx_size"])
+        if self.worker.max_memory is not None and need > self.worker.max_memory:
+            raise DllamaError(f"the slice needs {need / 1e6:.0f} MB, more than this worker's --max-memory "
+                              f"{self.worker.max_memory / 1e6:.0f} MB")
         missing = [e for e in entries if not self.worker.cache.has(e)]
         await conn.send_msg(P.NEED, {"names": [e.name for e in missing]})
         tensors = {}
@@ -150,10 +172,7 @@ class _Session:
     async def _serve_steps(self, step: NodeStep, dim: int) -> None:
         conn = self.conn
         while True:
-            kind, msg = await conn.recv_msg((P.FORWARD, P.END), timeout=STEP_IDLE_TIMEOUT)
-            if kind == P.END.name:
-                log.info("session %s: root ended it", self.session_id)
-                return
+            _kind, msg = await self._recv((P.FORWARD,), self.worker.timeout)
             n = int(msg["n"])
             x = np.empty((n, dim), np.float32)
             await conn.recv_array(x, kind=P.ACTIVATIONS, timeout=self.worker.timeout)
@@ -171,9 +190,9 @@ class _Session:
 
 
 async def serve(host: str, port: int, *, threads: int | None, secret: str | None, cache_dir, timeout: float,
-                announce=None) -> None:
+                max_memory: int | None = None, announce=None) -> None:
     """Run a worker until SIGINT/SIGTERM. `announce(host, port)` is called once it listens."""
-    worker = Worker(threads=threads, secret=secret, cache_dir=cache_dir, timeout=timeout)
+    worker = Worker(threads=threads, secret=secret, cache_dir=cache_dir, timeout=timeout, max_memory=max_memory)
     addr = await worker.start(host, port)
     if announce is not None:
         announce(*addr)

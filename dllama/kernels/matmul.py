@@ -141,15 +141,27 @@ def _mm_quant_wide(w, fmt, xq, xd, xds, out):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_float_wide(w, x, out):
-    """float64 accumulation of f32 products (exact for f16 and f32 inputs)."""
+def _mm_f32_wide(w, x, out):
+    """float64 accumulation of float64 products (each product of two f32 is exact)."""
     rows, cols = w.shape
     T = x.shape[0]
     for r in prange(rows):
         for t in range(T):
             acc = 0.0
             for c in range(cols):
-                acc += np.float64(np.float32(w[r, c]) * x[t, c])
+                acc += np.float64(w[r, c]) * np.float64(x[t, c])
+            out[t, r] = acc
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_f16_wide(w, x16, tbl, out):
+    rows, cols = w.shape
+    T = x16.shape[0]
+    for r in prange(rows):
+        for t in range(T):
+            acc = 0.0
+            for c in range(cols):
+                acc += np.float64(tbl[w[r, c]]) * np.float64(tbl[x16[t, c]])
             out[t, r] = acc
 
 
@@ -195,8 +207,10 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
         if qtype in _QUANT_KERNEL:
             a = x.q8
             _mm_quant_wide(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
+        elif qtype == QType.F16:
+            _mm_f16_wide(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)
         else:
-            _mm_float_wide(w, x.x if qtype == QType.F32 else round_f16(x.x), out)
+            _mm_f32_wide(w, x.x, out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8

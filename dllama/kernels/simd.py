@@ -198,6 +198,42 @@ def dot_f16_f16(typingctx, a, a_offset, b, b_offset, n):
 
 
 @intrinsic
+def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
+    """Like dot_f16_f16, in the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the
+    other operand is a single vector (one token): four 8-lane accumulators over steps of 32
+    elements, summed (s0+s2)+(s1+s3), then t_k = s_k + s_k+4, then (t0+t1)+(t2+t3).
+    n must be a multiple of 32 (the caller adds any tail)."""
+    sig = types.float32(a, a_offset, b, b_offset, n)
+
+    def codegen(context, builder, signature, args):
+        a_arr, a_off, b_arr, b_off, count = args
+        a_ptr = builder.gep(_data_ptr(context, builder, signature.args[0], a_arr), [a_off])
+        b_ptr = builder.gep(_data_ptr(context, builder, signature.args[2], b_arr), [b_off])
+        zero = ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES)
+        slots = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+        for slot in slots:
+            builder.store(zero, slot)
+        n_steps = builder.sdiv(count, ir.Constant(count.type, 4 * _LANES))
+        with cgutils.for_range(builder, n_steps) as loop:
+            base = builder.mul(loop.index, ir.Constant(_I64, 2 * 4 * _LANES))
+            for j, slot in enumerate(slots):
+                offset = builder.add(base, ir.Constant(_I64, 2 * _LANES * j))
+                av = builder.fpext(builder.bitcast(_load_at(builder, a_ptr, offset, _I16, _LANES),
+                                                   _vec(_F16, _LANES)), _vec(_F32, _LANES))
+                bv = builder.fpext(builder.bitcast(_load_at(builder, b_ptr, offset, _I16, _LANES),
+                                                   _vec(_F16, _LANES)), _vec(_F32, _LANES))
+                builder.store(_fmuladd(builder, av, bv, builder.load(slot)), slot)
+        s0, s1, s2, s3 = (builder.load(slot) for slot in slots)
+        x = builder.fadd(builder.fadd(s0, s2), builder.fadd(s1, s3))
+        t = builder.fadd(builder.shuffle_vector(x, x, _const_vec(_I32, [0, 1, 2, 3])),
+                         builder.shuffle_vector(x, x, _const_vec(_I32, [4, 5, 6, 7])))
+        el = [builder.extract_element(t, ir.Constant(_I32, i)) for i in range(4)]
+        return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
+
+    return sig, codegen
+
+
+@intrinsic
 def hsum8(typingctx, x, offset):
     """GGML's 8-lane horizontal sum of x[offset:offset+8] (float32)."""
     sig = types.float32(x, offset)

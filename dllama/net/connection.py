@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -40,6 +42,14 @@ from . import frames as F
 DEFAULT_MAX_FRAME = 64 << 20  # raw payloads (weight slices, arrays); the u32 field allows 4 GiB
 STAGE_SIZE = 256 << 10  # staging buffer: small frames arrive whole in one recv()
 DIRECT_MIN = 16 << 10  # a payload remainder at least this big is read straight into its buffer
+SMALL_FRAME = 16 << 10  # frames up to this size are sent as one copied buffer
+LINGER = 2.0  # after our last words, how long we wait for the peer to close before we reset
+
+
+_HS = F.HEADER_SIZE
+_MAGIC = F.MAGIC
+_VERSION = F.PROTOCOL_VERSION
+_unpack_header = F.HEADER.unpack_from
 
 
 class PeerRef(NamedTuple):
@@ -101,6 +111,7 @@ class Connection(asyncio.BufferedProtocol):
         self.max_queued = max_queued if max_queued is not None else max(max_frame, 8 << 20)
         self.kinds = kinds
         self.hello = None  # the peer's handshake (dllama.net.handshake.Hello), set by the handshake
+        self.max_frame_after_welcome: int | None = None  # a client's max_frame once authenticated
         self.transport: asyncio.Transport | None = None
         # counters, for bytes/token and throughput reports
         self.bytes_sent = 0
@@ -137,6 +148,7 @@ class Connection(asyncio.BufferedProtocol):
         # state
         self._error: NetworkError | None = None
         self._bye = False
+        self._spin_sock: socket.socket | None = None  # a dup of our socket, for spin_until
         self._made = self._loop.create_future()
         self._lost = self._loop.create_future()
 
@@ -203,6 +215,9 @@ class Connection(asyncio.BufferedProtocol):
                 why += f": {exc}"
             self._fail(PeerClosed(why, self.peer), close=False)
         self.transport = None
+        if self._spin_sock is not None:
+            self._spin_sock.close()
+            self._spin_sock = None
         if not self._lost.done():
             self._lost.set_result(None)
 
@@ -253,11 +268,28 @@ class Connection(asyncio.BufferedProtocol):
 
     def _parse(self):
         stage = self._stage_mv
+        receivers = self._receivers
         while self._error is None:
             if self._kind is None:
-                if self._hi - self._lo < F.HEADER_SIZE:
+                lo, hi = self._lo, self._hi
+                if hi - lo < _HS:
                     return
-                magic, version, code, _flags, tag, length = F.HEADER.unpack_from(self._stage, self._lo)
+                magic, version, code, _flags, tag, length = _unpack_header(self._stage, lo)
+                if receivers and hi - lo - _HS >= length:
+                    # Fast path: a whole frame for the posted receive at the head, already staged.
+                    r = receivers[0]
+                    into = r.into
+                    if (into is not None and magic == _MAGIC and version == _VERSION and code in r.codes
+                            and (r.tag is None or r.tag == tag) and length == len(into)):
+                        into[:] = stage[lo + _HS:lo + _HS + length]
+                        self._lo = lo + _HS + length
+                        receivers.popleft()
+                        self.frames_recv += 1
+                        if r.timer is not None:
+                            r.timer.cancel()
+                        if not r.fut.done():
+                            r.fut.set_result(into)
+                        continue
                 self._lo += F.HEADER_SIZE
                 if not self._begin_frame(magic, version, code, tag, length):
                     return
@@ -286,8 +318,17 @@ class Connection(asyncio.BufferedProtocol):
             self._fail(MalformedFrame(f"bad frame magic {bytes(magic)!r} (not a dllama peer?)", self.peer))
             return False
         if version != F.PROTOCOL_VERSION:
-            self._fail(VersionMismatch(
-                f"speaks wire protocol version {version}, this node speaks {F.PROTOCOL_VERSION}", self.peer))
+            err = VersionMismatch(f"speaks wire protocol version {version}, this node speaks {F.PROTOCOL_VERSION}",
+                                  self.peer)
+            # Say so in our own version before hanging up, so the other side can report it too.
+            try:
+                self.write_frame(F.REJECT, F.pack_msg({"reason": f"this node speaks wire protocol version "
+                                                                 f"{F.PROTOCOL_VERSION}", "type": "VersionMismatch"}))
+            except Exception:
+                pass
+            self._fail(err, close=False)
+            if self.transport is not None:
+                self.transport.close()
             return False
         kind = self.kinds.by_code(code)
         if kind is None:
@@ -306,28 +347,11 @@ class Connection(asyncio.BufferedProtocol):
             return True
         if self._receivers:
             r = self._receivers[0]
-            if code not in r.codes:
-                names = "/".join(sorted(self.kinds.by_code(c).name for c in r.codes))
-                self._fail(ProtocolError(f"sent a {kind.name} frame where a {names} frame was expected", self.peer))
+            err = self._mismatch(kind, tag, length, r.codes, r.into, r.tag, r.max_len)
+            if err is not None:
+                self._fail(err)
                 return False
-            if r.tag is not None and tag != r.tag:
-                self._fail(ProtocolError(
-                    f"out of step: sent a frame of collective call #{tag}, expected call #{r.tag} "
-                    "(do all ranks call the same collectives in the same order?)", self.peer))
-                return False
-            if r.into is not None:
-                if length != len(r.into):
-                    self._fail(MalformedFrame(
-                        f"sent a {length}-byte {kind.name} frame, expected {len(r.into)} bytes "
-                        "(do all ranks pass arrays of the same size and dtype?)", self.peer))
-                    return False
-                self._dest = r.into
-            else:
-                if r.max_len is not None and length > r.max_len:
-                    self._fail(MalformedFrame(
-                        f"{kind.name} frame of {length} bytes exceeds the expected maximum of {r.max_len}", self.peer))
-                    return False
-                self._dest = memoryview(bytearray(length))
+            self._dest = r.into if r.into is not None else memoryview(bytearray(length))
             self._target = r
         else:
             self._target = None
@@ -345,7 +369,12 @@ class Connection(asyncio.BufferedProtocol):
             elif code == F.BYE.code:
                 self._bye = True
                 self._fail(PeerClosed("closed the connection", self.peer), close=False)
+                if self.transport is not None:
+                    self.transport.close()  # the peer half-closed and waits for us
             return  # PING: nothing to do, receiving it was the point
+        if code == F.WELCOME.code and self.max_frame_after_welcome:
+            # The handshake is done: lift the handshake's size limit before the next frame is parsed.
+            self.max_frame, self.max_frame_after_welcome = self.max_frame_after_welcome, None
         if target is not None:
             self._receivers.popleft()
             if target.timer is not None:
@@ -385,11 +414,47 @@ class Connection(asyncio.BufferedProtocol):
             fut.set_exception(self._error)
             fut.exception()  # the awaiting caller sees it; don't log it as unretrieved
             return fut
+        r = _Recv(codes, into, tag, max_len, fut)
         if not self._receivers:
             self._wait_since = self._loop.time()
             self._arm_watchdog()
-        self._receivers.append(_Recv(codes, into, tag, max_len, fut))
+            if self._kind is not None and self._target is None and self._kind.code not in F.INTERNAL_CODES:
+                # A frame nobody had asked for is arriving right now: it is this receive's.
+                self._receivers.append(r)
+                self._claim_inflight(r)
+                return fut
+        self._receivers.append(r)
         return fut
+
+    def _claim_inflight(self, r: _Recv) -> None:
+        kind, length = self._kind, len(self._dest)
+        err = self._mismatch(kind, self._tag, length, r.codes, r.into, r.tag, r.max_len)
+        if err is not None:
+            self._fail(err)
+            return
+        self._target = r
+        if r.into is not None:  # move what has arrived so far, and let the rest land in place
+            filled = self._filled
+            r.into[:filled] = self._dest[:filled]
+            self._dest = r.into
+            if self._direct is not None:
+                self._direct = r.into[filled:]
+
+    def _mismatch(self, kind, tag, length, codes, into, want_tag, max_len):
+        """The error for a frame that does not fit a posted receive, or None."""
+        if kind.code not in codes:
+            names = "/".join(sorted(self.kinds.by_code(c).name for c in codes))
+            return ProtocolError(f"sent a {kind.name} frame where a {names} frame was expected", self.peer)
+        if want_tag is not None and tag != want_tag:
+            return ProtocolError(f"out of step: sent a frame of collective call #{tag}, expected call #{want_tag} "
+                                 "(do all ranks call the same collectives in the same order?)", self.peer)
+        if into is not None and length != len(into):
+            return MalformedFrame(f"sent a {length}-byte {kind.name} frame, expected {len(into)} bytes "
+                                  "(do all ranks pass arrays of the same size and dtype?)", self.peer)
+        if into is None and max_len is not None and length > max_len:
+            return MalformedFrame(f"{kind.name} frame of {length} bytes exceeds the expected maximum of {max_len}",
+                                  self.peer)
+        return None
 
     def _take_queued(self, codes, into, tag, max_len, fut):
         kind, ftag, buf = self._queue.popleft()
@@ -397,19 +462,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._reading_paused and self._queued_bytes <= self.max_queued and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
-        err = None
-        if kind.code not in codes:
-            names = "/".join(sorted(self.kinds.by_code(c).name for c in codes))
-            err = ProtocolError(f"sent a {kind.name} frame where a {names} frame was expected", self.peer)
-        elif tag is not None and ftag != tag:
-            err = ProtocolError(f"out of step: sent a frame of collective call #{ftag}, expected call #{tag} "
-                                "(do all ranks call the same collectives in the same order?)", self.peer)
-        elif into is not None and len(buf) != len(into):
-            err = MalformedFrame(f"sent a {len(buf)}-byte {kind.name} frame, expected {len(into)} bytes "
-                                 "(do all ranks pass arrays of the same size and dtype?)", self.peer)
-        elif into is None and max_len is not None and len(buf) > max_len:
-            err = MalformedFrame(f"{kind.name} frame of {len(buf)} bytes exceeds the expected maximum of {max_len}",
-                                 self.peer)
+        err = self._mismatch(kind, ftag, len(buf), codes, into, tag, max_len)
         if err is not None:
             self._fail(err)
             fut.set_exception(err)
@@ -447,6 +500,38 @@ class Connection(asyncio.BufferedProtocol):
         except asyncio.CancelledError:
             self._cancel_recv(r, None)
             raise
+
+    # ------------------------------------------------------------------ busy-polling
+    def spin_until(self, fut: asyncio.Future, seconds: float) -> None:
+        """Read this peer's socket ourselves, without sleeping, until `fut` is done or `seconds`
+        pass without it. Waking a sleeping process costs tens of microseconds (more in a VM);
+        a short spin lets a small frame be picked up as soon as it arrives (MPI polls too, and
+        like Open MPI on shared cores we yield the core between polls).
+        Must run on the loop thread outside the loop's own callbacks (i.e. from a coroutine):
+        it feeds get_buffer/buffer_updated exactly as the loop would; if the loop later finds
+        the socket readable but empty it just sees EAGAIN."""
+        sock = self._spin_sock
+        if sock is None:
+            if self.transport is None or self._error is not None:
+                return
+            fd = self.transport.get_extra_info("socket").fileno()
+            sock = self._spin_sock = socket.socket(fileno=os.dup(fd))
+        recv_into = sock.recv_into
+        clock = time.perf_counter
+        deadline = clock() + seconds
+        while not fut.done() and self._error is None and not self._reading_paused:
+            try:
+                n = recv_into(self.get_buffer(-1))
+            except BlockingIOError:
+                if clock() > deadline:
+                    return
+                os.sched_yield()  # stay runnable, but let whoever else waits for this core go first
+                continue
+            except OSError:
+                return  # reset etc.: the loop's own read reports it
+            if n == 0:
+                return  # EOF: the loop sees it too and fails the waits
+            self.buffer_updated(n)
 
     # ------------------------------------------------------------------ high-level receive
     async def recv_msg(self, kinds=F.MESSAGE, timeout: float | None = None) -> tuple[str, dict]:
@@ -516,10 +601,10 @@ class Connection(asyncio.BufferedProtocol):
             raise self._error
         n = payload.nbytes
         header = F.HEADER.pack(F.MAGIC, F.PROTOCOL_VERSION, 16, 0, tag, n)
-        if n:
+        if n > SMALL_FRAME:
             self.transport.writelines((header, payload))
-        else:
-            self.transport.write(header)
+        else:  # one small immutable buffer: a plain write(), and nothing of ours stays referenced
+            self.transport.write(b"".join((header, payload)))
         self.bytes_sent += F.HEADER_SIZE + n
         self.frames_sent += 1
         self._last_tx = self._loop.time()
@@ -620,29 +705,40 @@ class Connection(asyncio.BufferedProtocol):
                 w.set_exception(exc)
                 w.exception()
         if close and self.transport is not None:
+            if isinstance(exc, ProtocolError):
+                # The peer misbehaved: tell it what we saw (it raises PeerAborted with this).
+                self._send_last_words(F.ABORT, F.pack_msg({"reason": str(exc)[:2000]}))
+            elif isinstance(exc, PeerAborted):
+                self.transport.close()
+            else:
+                self.transport.abort()
+
+    def _send_last_words(self, kind, body) -> None:
+        """Send a final frame and half-close: FIN after it, but keep reading (and dropping) until
+        the peer closes too. Closing with unread input would make the kernel send RST, and an
+        RST can destroy our final frame before the peer reads it."""
+        try:
+            self.transport.write(F.pack_header(kind, 0, len(body)) + body)
+            self.transport.write_eof()
+        except Exception:
             self.transport.abort()
+            return
+        transport = self.transport
+        self._loop.call_later(LINGER, lambda: transport.is_closing() or transport.abort())
 
     def abort(self, reason: str) -> None:
         """Tell the peer why we give up (it raises PeerAborted naming us) and drop the connection."""
         if self._error is None and self.transport is not None:
-            try:
-                self.write_frame(F.ABORT, F.pack_msg({"reason": reason[:2000]}))
-            except Exception:
-                pass
             self._error = PeerAborted(f"connection given up locally: {reason}", self.peer)
             self._fail(self._error, close=False)
-            self.transport.close()  # close() still sends what is buffered (the ABORT)
+            self._send_last_words(F.ABORT, F.pack_msg({"reason": reason[:2000]}))
 
     async def close(self, timeout: float = 2.0) -> None:
         """Orderly shutdown: tell the peer (its waits raise PeerClosed 'closed the connection')."""
         if self.transport is not None and self._error is None:
-            try:
-                self.write_frame(F.BYE)
-            except Exception:
-                pass
             self._error = PeerClosed("connection closed locally", self.peer)
             self._fail(self._error, close=False)
-            self.transport.close()
+            self._send_last_words(F.BYE, b"")
         elif self.transport is not None:
             self.transport.close()
         if not self._lost.done():

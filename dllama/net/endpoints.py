@@ -60,6 +60,7 @@ async def connect(host: str, port: int, *, role: str = "peer", rank: int | None 
                 continue
             why = e.strerror or str(e)
             raise PeerUnreachable(f"cannot connect: {why}", peer) from None
+    conn.max_frame_after_welcome = max_frame
     left = max(deadline - time.monotonic(), 0.5)
     try:
         await client_handshake(conn, role=role, rank=rank, world=world, session=session, secret=secret,
@@ -67,7 +68,6 @@ async def connect(host: str, port: int, *, role: str = "peer", rank: int | None 
     except BaseException:
         conn._fail(PeerUnreachable("handshake did not complete", conn.peer))
         raise
-    conn.max_frame = max_frame
     return conn
 
 

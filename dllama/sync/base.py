@@ -42,6 +42,22 @@ def chunks(lo: int, hi: int, step: int):
         lo += step
 
 
+class _Pending:
+    """A posted receive; awaiting it first busy-polls the peer for up to `Comm.spin` seconds."""
+
+    __slots__ = ("fut", "conn", "comm")
+
+    def __init__(self, fut, conn, comm):
+        self.fut = fut
+        self.conn = conn
+        self.comm = comm
+
+    def __await__(self):
+        if self.comm.spin and not self.fut.done():
+            self.comm._spin(self.conn, self.fut)
+        return self.fut.__await__()
+
+
 class Comm:
     """Point-to-point messaging for one group; every frame carries the current call's tag so
     ranks that disagree on which collective they run fail loudly instead of mixing data."""
@@ -52,16 +68,25 @@ class Comm:
         self.conns = conns  # conns[r]: Connection to rank r (None for self)
         self.scratch = scratch
         self.chunk_bytes = chunk_bytes
+        self.spin = 0.0  # seconds to busy-poll for a frame before sleeping in the event loop
         self.tag = 0
 
     def send(self, peer: int, payload) -> None:
         self.conns[peer].write_array(payload, self.tag)
 
-    def irecv(self, peer: int, into):
-        return self.conns[peer].post_recv(into, ARRAY, self.tag)
+    def irecv(self, peer: int, into) -> "_Pending":
+        conn = self.conns[peer]
+        return _Pending(conn.post_recv(into, ARRAY, self.tag), conn, self)
 
     async def recv(self, peer: int, into):
-        return await self.conns[peer].post_recv(into, ARRAY, self.tag)
+        return await self.irecv(peer, into)
+
+    def _spin(self, conn, fut) -> None:
+        # Only while nothing of ours waits in a send buffer: the loop must run to flush it.
+        for c in self.conns:
+            if c is not None and not c.flushed:
+                return
+        conn.spin_until(fut, self.spin)
 
     async def flush(self, peer: int) -> None:
         c = self.conns[peer]
@@ -88,6 +113,12 @@ class Algorithm:
     """Base: linear collectives through a root. Subclasses override what they do better."""
 
     name = "linear"
+
+    @staticmethod
+    def encodings(p: int) -> int:
+        """How many times an all-reduce with a lossy codec may encode one value on its way to
+        the result (each adds at most Codec.error_bound)."""
+        return 1
 
     def __init__(self, comm: Comm):
         self.comm = comm

@@ -13,12 +13,13 @@ PeerAborted naming the failed peer), and the group is unusable afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import NetworkError, PeerAborted, ProtocolError
+from ..errors import NetworkError, ProtocolError
 from ..net import ConnectionInbox, Listener, PeerRef, connect
 from ..net import frames as F
 from ..net.connection import DEFAULT_MAX_FRAME
@@ -39,7 +40,10 @@ _ALIASES = {"recursive_doubling": "rd", "recursive-doubling": "rd", "rab": "rabe
             "master-worker": "star", "master_worker": "star"}
 
 DEFAULT_TIMEOUT = 60.0  # a peer silent this long while we wait on it is declared dead
-DEFAULT_CHUNK = 256 << 10  # pipelining unit on the wire
+DEFAULT_CHUNK = 1 << 20  # pipelining unit on the wire, until auto sizes it to the link
+CHUNK_LINK_TIME = 2e-3  # auto: a chunk is about this much transfer time on the measured link
+CHUNK_RANGE = (64 << 10, 4 << 20)
+DEFAULT_SPIN = 200e-6  # busy-poll this long for a frame before sleeping (see Connection.spin_until)
 _EXACT = CODECS["exact"]
 
 
@@ -83,7 +87,8 @@ class ProcessGroup:
     """p ranks that run collectives together. Not safe for overlapping calls: await each one."""
 
     def __init__(self, rank: int, size: int, conns: list, *, algo: str = "auto", session: str = "",
-                 chunk_bytes: int = DEFAULT_CHUNK, listener: Listener | None = None, addrs=None):
+                 chunk_bytes: int = DEFAULT_CHUNK, listener: Listener | None = None, addrs=None,
+                 spin: float = 0.0):
         self.rank = rank
         self.size = size
         self.session = session
@@ -91,10 +96,13 @@ class ProcessGroup:
         self._conns = conns
         self._listener = listener  # owned: closed with the group
         self._scratch = Scratch()
+        self._reducers: dict[tuple, Reducer] = {}
         self._comm = Comm(rank, size, conns, self._scratch, chunk_bytes)
+        self._comm.spin = spin
         self.algorithms = {name: cls(self._comm) for name, cls in ALGORITHMS.items()}
         self.auto = Auto(self._comm, self.algorithms)
         self.algo = algo_name(algo)
+        self._default = self.auto if self.algo == "auto" else self.algorithms[self.algo]
         self._seq = 0
         self._busy = False
         self._failed: BaseException | None = None
@@ -127,6 +135,11 @@ class ProcessGroup:
         self._base = (s.calls + b[0], s.seconds + b[1], s.bytes_sent + b[2], s.bytes_recv + b[3])
 
     @property
+    def chunk_bytes(self) -> int:
+        """The pipelining unit on the wire (identical on every rank)."""
+        return self._comm.chunk_bytes
+
+    @property
     def failed(self) -> BaseException | None:
         return self._failed
 
@@ -135,7 +148,9 @@ class ProcessGroup:
         return self.auto.choose(collective, nbytes, op) if self.algo == "auto" else self.algo
 
     def _algorithm(self, algo):
-        name = self.algo if algo is None else algo_name(algo)
+        if algo is None:
+            return self._default
+        name = algo_name(algo)
         return self.auto if name == "auto" else self.algorithms[name]
 
     # ------------------------------------------------------------ running a call
@@ -167,10 +182,7 @@ class ProcessGroup:
         if self._failed is not None:
             return
         self._failed = exc
-        if isinstance(exc, PeerAborted):
-            reason = exc.reason.removeprefix("gave up: ") if exc.peer is not None else str(exc)
-            reason = f"{exc.peer}: {reason}" if exc.peer is not None else reason
-        elif isinstance(exc, NetworkError):
+        if isinstance(exc, NetworkError):  # names the peer, and for PeerAborted the whole chain
             reason = str(exc)
         elif isinstance(exc, asyncio.CancelledError):
             reason = f"rank {self.rank}: collective cancelled"
@@ -185,17 +197,29 @@ class ProcessGroup:
                          algo: str | None = None) -> np.ndarray:
         """Reduce `a` across all ranks, in place; returns `a`. `codec` (f16, q80) compresses the
         payload of float arrays for sum/avg; every rank still ends bit-identical."""
-        flat = _flat(a)
-        opx = get_op(op)
-        check_op(opx, flat.dtype)
-        cdc = _EXACT if codec is None else get_codec(codec, flat.dtype)
-        if not cdc.exact and opx.name not in ("sum", "avg"):
-            raise ValueError(f"codec {cdc.name!r} only serves sum and avg, not {opx.name!r}")
+        # The engine reduces the same shapes over and over: arguments are validated once per
+        # (op, codec, dtype, size), and the reducer (with its scratch views) is kept.
+        try:
+            red = self._reducers.get((op, codec, a.dtype, a.size))
+        except (AttributeError, TypeError):
+            red = None  # not an array, or an unhashable op/codec: the checks below say what is wrong
+        if red is not None and a.flags.c_contiguous and a.flags.writeable:
+            flat = a.reshape(-1)
+            red.bind(flat)
+        else:
+            flat = _flat(a)
+            opx = get_op(op)
+            check_op(opx, flat.dtype)
+            cdc = _EXACT if codec is None else get_codec(codec, flat.dtype)
+            if not cdc.exact and opx.name not in ("sum", "avg"):
+                raise ValueError(f"codec {cdc.name!r} only serves sum and avg, not {opx.name!r}")
+            if len(self._reducers) > 64:
+                self._reducers.clear()
+            red = self._reducers[(op, codec, a.dtype, a.size)] = Reducer(flat, opx, cdc, self._scratch)
         if self.size > 1 and flat.size:
-            red = Reducer(flat, opx, cdc, self._scratch)
-            await self._run(self._algorithm(algo).all_reduce(red))
-        if opx.finish is not None:
-            opx.finish(flat, self.size)
+            await self._run(self._default.all_reduce(red) if algo is None else self._algorithm(algo).all_reduce(red))
+        if red.op.finish is not None:
+            red.op.finish(flat, self.size)
         return a
 
     async def reduce_scatter(self, a: np.ndarray, op: str = "sum", *, counts=None, out=None,
@@ -298,8 +322,8 @@ class ProcessGroup:
     async def scatter(self, a: np.ndarray | None, root: int = 0, *, counts=None, out=None,
                       algo: str | None = None) -> np.ndarray:
         """Root's `a` split into p blocks, block r to rank r; returns this rank's block.
-        Blocks: `counts` (values per rank) or, if a.shape[0] == p, the rows of `a`, else a
-        near-equal split of the flattened `a`. Other ranks pass a=None (or any array): they learn
+        Blocks: `counts` (values per rank), or the rows of a 2-D+ `a` with p rows (the inverse
+        of gather), else a near-equal split of the flattened `a` (1-D blocks). Other ranks pass a=None (or any array): they learn
         dtype and shape from root. `out`, if given, receives the block and is returned."""
         self._check_root(root)
         src = layout = None
@@ -310,7 +334,7 @@ class ProcessGroup:
                 if eoffs[-1] != flat.size:
                     raise ValueError(f"scatter: counts add up to {eoffs[-1]}, the array has {flat.size} values")
                 shapes = [(eoffs[r + 1] - eoffs[r],) for r in range(self.size)]
-            elif a.ndim and a.shape[0] == self.size:
+            elif a.ndim >= 2 and a.shape[0] == self.size:
                 shapes = [a.shape[1:]] * self.size
                 eoffs = [r * (flat.size // self.size) for r in range(self.size + 1)]
             else:
@@ -410,8 +434,8 @@ def _dialer(i: int, j: int, addrs) -> int:
 async def init_process_group(rank: int, world: int, addrs, *, session: str = "dllama", algo: str = "auto",
                              secret=None, timeout: float | None = DEFAULT_TIMEOUT, heartbeat: float | None = None,
                              connect_timeout: float = 30.0, incoming: ConnectionInbox | None = None,
-                             listen_host: str | None = None, chunk_bytes: int = DEFAULT_CHUNK,
-                             max_frame: int = DEFAULT_MAX_FRAME) -> ProcessGroup:
+                             listen_host: str | None = None, chunk_bytes: int | None = None,
+                             max_frame: int = DEFAULT_MAX_FRAME, spin: float | None = None) -> ProcessGroup:
     """Connect this rank to every other rank (full mesh) and return its ProcessGroup.
 
     addrs[r]: (host, port) where rank r accepts peer connections, or None for a rank that only
@@ -424,6 +448,12 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
     timeout: seconds a peer may stay silent while we wait on it; heartbeat (default timeout/4)
         keeps idle-but-alive peers from looking silent.
     algo: star, ring, mesh, rd, rabenseifner or auto (measures alpha/beta now).
+    chunk_bytes: pipelining unit; every rank must use the same. Default: DEFAULT_CHUNK, or with
+        auto about CHUNK_LINK_TIME of transfer on the measured link.
+    spin: seconds to busy-poll for an awaited frame before sleeping in the event loop (wake-ups
+        cost tens of microseconds; 0 disables). Default: DEFAULT_SPIN, unless more ranks share
+        this host's address than it has cores (then spinning would steal their CPU): 0.
+        Ranks sharing one event loop must use 0.
     """
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
@@ -431,6 +461,10 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
     if len(addrs) != world:
         raise ValueError(f"need {world} addresses (None for ranks that do not listen), got {len(addrs)}")
     algo = algo_name(algo)
+    if spin is None:
+        here = addrs[rank][0] if addrs[rank] else None
+        local = sum(1 for a in addrs if a is not None and a[0] == here) if here else 1
+        spin = DEFAULT_SPIN if local <= (os.cpu_count() or 1) else 0.0
     if heartbeat is None and timeout is not None:
         heartbeat = timeout / 4
     dial = [j for j in range(world) if j != rank and _dialer(min(rank, j), max(rank, j), addrs) == rank]
@@ -480,8 +514,12 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
             await listener.close()
         raise
     conns = [None if j == rank else tasks[j].result() for j in range(world)]
-    group = ProcessGroup(rank, world, conns, algo=algo, session=session, chunk_bytes=chunk_bytes,
-                         listener=listener, addrs=addrs)
+    group = ProcessGroup(rank, world, conns, algo=algo, session=session,
+                         chunk_bytes=chunk_bytes or DEFAULT_CHUNK, listener=listener, addrs=addrs, spin=spin)
     if algo == "auto":
         await group._run(group.auto.calibrate())
+        if chunk_bytes is None and group.auto.beta:
+            # Every rank measured the same agreed beta, so every rank picks the same chunk size.
+            chunk = int(CHUNK_LINK_TIME / group.auto.beta) >> 16 << 16
+            group._comm.chunk_bytes = min(max(chunk, CHUNK_RANGE[0]), CHUNK_RANGE[1])
     return group

@@ -17,7 +17,8 @@ from .group import DEFAULT_TIMEOUT, init_process_group
 @contextlib.asynccontextmanager
 async def local_cluster(p: int, algo: str = "ring", *, host: str = "127.0.0.1", session: str = "local",
                         secret=None, timeout: float | None = DEFAULT_TIMEOUT, **kwargs):
-    """Yield p ProcessGroups (ranks 0..p-1) connected over `host` in the running event loop."""
+    """Yield p ProcessGroups (ranks 0..p-1) connected over `host` in the running event loop.
+    (No busy-polling: all ranks share this thread, a spinning rank would only wait for itself.)"""
     if p < 1:
         raise ValueError("a cluster needs at least one rank")
     inboxes = [ConnectionInbox() for _ in range(p)]
@@ -33,7 +34,7 @@ async def local_cluster(p: int, algo: str = "ring", *, host: str = "127.0.0.1", 
         addrs = [(host, lst.port) for lst in listeners]
         groups = await asyncio.gather(*(
             init_process_group(r, p, addrs, session=session, algo=algo, secret=secret, timeout=timeout,
-                               incoming=inboxes[r], **kwargs)
+                               incoming=inboxes[r], **{"spin": 0.0, **kwargs})
             for r in range(p)))
         yield list(groups)
     finally:

@@ -14,19 +14,37 @@ from .reducer import Reducer
 class Mesh(Algorithm):
     name = "mesh"
 
+    @staticmethod
+    def encodings(p: int) -> int:
+        return 1  # each partial once; everyone sums the same decoded partials
+
     async def all_reduce(self, red: Reducer) -> None:
         c = self.comm
         p, me = c.size, c.rank
         order = list(range(p))
-        if red.n <= c.chunk_values(red):  # the common small case: one frame per peer
-            futs = [c.irecv(r, red.partial_buffer(0, red.n, r)) for r in range(p) if r != me]
-            own = red.stage_own(0, red.n, me)
-            for r in range(p):
-                if r != me:
-                    c.send(r, own)
+        n = red.n
+        plan = red.plans.get(("mesh", c.chunk_bytes))
+        if plan is None:
+            small = n <= c.chunk_values(red)
+            direct = red.exact and red.op.ufunc is not None
+            recvs = [(r, red.partial_buffer(0, n, r)) for r in range(p) if r != me] if small else None
+            others = [None if r == me else red.slot_values(r, 0, n) for r in range(p)] if direct else None
+            plan = red.plans[("mesh", c.chunk_bytes)] = (small, direct, recvs, others)
+        small, direct, recvs, others = plan
+        if small:  # the common case: one frame per peer
+            futs = [c.irecv(r, view) for r, view in recvs]
+            own = red.a8 if direct else red.stage_own(0, n, me)
+            for r, _ in recvs:
+                c.send(r, own)
             for f in futs:
                 await f
-            red.combine(0, red.n, order)
+            if direct:
+                for conn in c.conns:  # `a` itself was sent: it must be out before we change it
+                    if conn is not None and not conn.flushed:
+                        await conn.flush()
+                red.combine_own(0, n, me, p, others)
+            else:
+                red.combine(0, n, order)
             return
         pieces = list(chunks(0, red.n, c.chunk_values(red)))
         futs = {r: [c.irecv(r, red.partial_buffer(lo, hi, r)) for lo, hi in pieces] for r in range(p) if r != me}

@@ -73,6 +73,7 @@ class Op:
     combine: Callable  # combine(acc, x): acc = acc (op) x, in place
     dtypes: str  # "numeric", "float", "int", "loc"
     finish: Callable | None = None  # finish(a, p) applied once to the reduced values on every rank
+    ufunc: np.ufunc | None = None  # when combine is this ufunc: ufunc(x, y, out=z) in one pass
 
     def accepts(self, dt: np.dtype) -> bool:
         if self.dtypes == "loc":
@@ -90,16 +91,16 @@ def _avg_finish(a, p):
 
 
 OPS: dict[str, Op] = {
-    "sum": Op("sum", _ufunc_op(np.add), "numeric"),
-    "prod": Op("prod", _ufunc_op(np.multiply), "numeric"),
-    "min": Op("min", _ufunc_op(np.minimum), "numeric"),
-    "max": Op("max", _ufunc_op(np.maximum), "numeric"),
-    "avg": Op("avg", _ufunc_op(np.add), "float", _avg_finish),
+    "sum": Op("sum", _ufunc_op(np.add), "numeric", ufunc=np.add),
+    "prod": Op("prod", _ufunc_op(np.multiply), "numeric", ufunc=np.multiply),
+    "min": Op("min", _ufunc_op(np.minimum), "numeric", ufunc=np.minimum),
+    "max": Op("max", _ufunc_op(np.maximum), "numeric", ufunc=np.maximum),
+    "avg": Op("avg", _ufunc_op(np.add), "float", _avg_finish, ufunc=np.add),
     "land": Op("land", _logical_op(np.logical_and), "numeric", lambda a, p: _to_bool_values(a)),
     "lor": Op("lor", _logical_op(np.logical_or), "numeric", lambda a, p: _to_bool_values(a)),
-    "band": Op("band", _ufunc_op(np.bitwise_and), "int"),
-    "bor": Op("bor", _ufunc_op(np.bitwise_or), "int"),
-    "bxor": Op("bxor", _ufunc_op(np.bitwise_xor), "int"),
+    "band": Op("band", _ufunc_op(np.bitwise_and), "int", ufunc=np.bitwise_and),
+    "bor": Op("bor", _ufunc_op(np.bitwise_or), "int", ufunc=np.bitwise_or),
+    "bxor": Op("bxor", _ufunc_op(np.bitwise_xor), "int", ufunc=np.bitwise_xor),
     "maxloc": Op("maxloc", _maxloc, "loc"),
     "minloc": Op("minloc", _minloc, "loc"),
 }

@@ -4,7 +4,7 @@
         results = cluster.results()          # job(group, 1024) of every rank, in rank order
 
 `job` is an async (or plain) function `job(group, *args)` importable in the child; its return
-value must be JSON-serialisable. A child runs `python -m dllama.sync.procs`; it listens, tells
+value must be JSON-serialisable. A child runs `procs.main()`; it listens, tells
 the parent its port, gets everyone's address back, builds its ProcessGroup and runs the job.
 Parent and children talk over the children's stdin/stdout (lines starting with "@@dllama "), so
 a rank may live in another network namespace (`prefixes=[["ip", "netns", "exec", "ns0"], ...]`).
@@ -26,6 +26,7 @@ import threading
 import time
 
 PREFIX = "@@dllama "
+_CHILD = "import sys; from dllama.sync.procs import main; sys.exit(main())"
 
 
 def report(event: str, **fields) -> None:
@@ -65,6 +66,7 @@ class ProcessCluster:
         self._stderr = []
         self._threads = []
         self._finished: dict[int, dict] = {}
+        self.addrs: list[tuple[str, int]] = []  # where each rank listens, once started
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "ProcessCluster":
@@ -76,7 +78,7 @@ class ProcessCluster:
             for r in range(self.p):
                 err = tempfile.TemporaryFile(mode="w+b")
                 self._stderr.append(err)
-                cmd = [*self.prefixes[r], self.python, "-m", "dllama.sync.procs"]
+                cmd = [*self.prefixes[r], self.python, "-c", _CHILD]
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                         text=True, bufsize=1, start_new_session=True)
                 self.procs.append(proc)
@@ -87,6 +89,7 @@ class ProcessCluster:
                                "port": self.ports[r]})
             ports = [self.wait_event(r, "listening", self.start_timeout)["port"] for r in range(self.p)]
             addrs = [[self.hosts[r], ports[r]] for r in range(self.p)]
+            self.addrs = [tuple(a) for a in addrs]
             for r in range(self.p):
                 self._send(r, {"addrs": addrs})
         except BaseException:
@@ -109,7 +112,16 @@ class ProcessCluster:
                 self.events[r].put(ev)
         self.events[r].put({"event": "exit", "t": time.monotonic()})
 
-    def close(self) -> None:
+    def close(self, grace: float = 3.0) -> None:
+        """Stop every rank: those that reported their outcome get `grace` seconds to exit on
+        their own (closing their connections cleanly), the rest are killed."""
+        deadline = time.monotonic() + grace
+        for r, proc in enumerate(self.procs):
+            if r in self._finished and proc.poll() is None:
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    pass
         for proc in self.procs:
             if proc.poll() is None:
                 try:

@@ -20,6 +20,11 @@ from .reducer import Reducer
 class Rabenseifner(RecursiveDoubling):
     name = "rabenseifner"
 
+    @staticmethod
+    def encodings(p: int) -> int:
+        p2 = 1 << (p.bit_length() - 1)
+        return p2.bit_length() - 1 + 1 + (p != p2)  # halving rounds, the owner's result, fold-in
+
     async def all_reduce(self, red: Reducer) -> None:
         c = self.comm
         r, n = c.rank, red.n

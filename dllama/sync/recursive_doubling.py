@@ -20,6 +20,11 @@ from .reducer import Reducer
 class RecursiveDoubling(Algorithm):
     name = "rd"
 
+    @staticmethod
+    def encodings(p: int) -> int:
+        p2 = 1 << (p.bit_length() - 1)
+        return p2.bit_length() - 1 + (p != p2)  # every round, plus the fold-in
+
     async def all_reduce(self, red: Reducer) -> None:
         c = self.comm
         r, n = c.rank, red.n

@@ -44,7 +44,7 @@ class Scratch:
 
 
 class Reducer:
-    __slots__ = ("a", "a8", "op", "combine_fn", "codec", "isz", "n", "scratch", "_slot_cache", "exact")
+    __slots__ = ("a", "a8", "op", "combine_fn", "codec", "isz", "n", "scratch", "_slot_cache", "exact", "plans")
 
     def __init__(self, a: np.ndarray, op: Op, codec: Codec, scratch: Scratch):
         self.a = a  # flat, C-contiguous, the caller's memory
@@ -57,6 +57,13 @@ class Reducer:
         self.n = a.size
         self.scratch = scratch
         self._slot_cache = {}
+        self.plans = {}  # per algorithm: whatever it precomputes for this size (views, peers)
+
+    def bind(self, a: np.ndarray) -> "Reducer":
+        """Reuse this reducer (and its scratch views) for another array of the same size/dtype."""
+        self.a = a
+        self.a8 = a.view(np.uint8)
+        return self
 
     # -- geometry
     def wire_range(self, lo: int, hi: int) -> tuple[int, int]:
@@ -112,15 +119,51 @@ class Reducer:
     def combine(self, lo, hi, slots):
         out = self.a[lo:hi]
         if self.exact:
-            first = self._values(self._slot(("in", slots[0])), lo, hi)
-            np.copyto(out, first)
-            for s in slots[1:]:
-                self.combine_fn(out, self._values(self._slot(("in", s)), lo, hi))
+            vals = [self._values(self._slot(("in", s)), lo, hi) for s in slots]
+            ufunc = self.op.ufunc
+            if ufunc is not None and len(vals) > 1:
+                ufunc(vals[0], vals[1], out=out)
+            else:
+                np.copyto(out, vals[0])
+                if len(vals) > 1:
+                    self.combine_fn(out, vals[1])
+            for v in vals[2:]:
+                self.combine_fn(out, v)
         else:
             w0, w1 = self.wire_range(lo, hi)
             self.codec.decode(self._slot(("in", slots[0]))[w0:w1], out)
             for s in slots[1:]:
                 self.codec.decode_add(self._slot(("in", s))[w0:w1], out)
+
+    def slot_values(self, slot, lo, hi) -> np.ndarray:
+        """The values of a partial received into slot `slot` (exact codec)."""
+        return self._values(self._slot(("in", slot)), lo, hi)
+
+    def combine_own(self, lo, hi, me: int, p: int, others=None) -> bool:
+        """a[lo:hi] = x0 (op) x1 (op) ... x(p-1) in rank order, where x_me is a[lo:hi] itself and
+        the others are in their slots (or given: others[s], None at s = me); no copy of our
+        own partial. Exact ufunc ops only (returns False otherwise, and the caller stages its
+        own partial instead)."""
+        ufunc = self.op.ufunc
+        if not self.exact or ufunc is None:
+            return False
+        out = self.a[lo:hi]
+        if others is None:
+            terms = [out if s == me else self.slot_values(s, lo, hi) for s in range(p)]
+        else:
+            terms = list(others)
+            terms[me] = out
+        if me <= 1:  # a is one of the first two terms: combine straight into it
+            ufunc(terms[0], terms[1], out=out)
+        else:  # accumulate the ranks before us in our (unused) slot, then fold us in
+            acc = self.slot_values(me, lo, hi)
+            ufunc(terms[0], terms[1], out=acc)
+            for t in terms[2:me]:
+                ufunc(acc, t, out=acc)
+            ufunc(acc, out, out=out)
+        for t in terms[max(me, 1) + 1:]:
+            ufunc(out, t, out=out)
+        return True
 
     def requantize(self, lo, hi, key="out"):
         """Encode our current values, keep the decoded ones (both partners of an exchange must

@@ -12,12 +12,16 @@ that region; so by then those bytes have left our send buffer.
 
 from __future__ import annotations
 
-from .base import Algorithm, chunks, split
+from .base import _EMPTY, Algorithm, chunks, split
 from .reducer import Reducer
 
 
 class Ring(Algorithm):
     name = "ring"
+
+    @staticmethod
+    def encodings(p: int) -> int:
+        return p  # p-1 reduce-scatter hops, then the owner's result
 
     async def all_reduce(self, red: Reducer) -> None:
         p, r = self.comm.size, self.comm.rank
@@ -103,21 +107,20 @@ class Ring(Algorithm):
                 c.send(right, buf[lo:hi])
 
     async def barrier(self):
-        """A token twice around the ring: the first lap proves everyone arrived, the second
-        releases them."""
-        from .base import _EMPTY
+        """A token twice around the ring: the first lap (back to rank 0) proves everyone arrived,
+        the second (0 -> 1 -> ... -> p-1) releases them."""
         c = self.comm
         p, r = c.size, c.rank
         left, right = (r - 1) % p, (r + 1) % p
-        first, second = c.irecv(left, _EMPTY), c.irecv(left, _EMPTY)
+        arrived = c.irecv(left, _EMPTY)
         if r == 0:
             c.send(right, _EMPTY)
-            await first
+            await arrived
             c.send(right, _EMPTY)
-            await second
-        else:
-            await first
+            return
+        released = c.irecv(left, _EMPTY)
+        await arrived
+        c.send(right, _EMPTY)
+        await released
+        if r != p - 1:
             c.send(right, _EMPTY)
-            await second
-            if r != p - 1:
-                c.send(right, _EMPTY)

@@ -16,6 +16,10 @@ ROOT = 0
 class Star(Algorithm):
     name = "star"
 
+    @staticmethod
+    def encodings(p: int) -> int:
+        return 2  # a worker's partial, then the root's result
+
     async def all_reduce(self, red: Reducer) -> None:
         c = self.comm
         pieces = list(chunks(0, red.n, c.chunk_values(red)))

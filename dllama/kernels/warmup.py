@@ -1,0 +1,58 @@
+"""Compile (and cache) the numba kernels for the array types they meet in practice, so the first
+chat after installing does not wait for the JIT: `python -m dllama.kernels.warmup`.
+
+A kernel is compiled once per argument type: weights are read-only views of a GGUF map on the
+root (C-contiguous whole matrices, strided column slices) and read-only received slices on
+workers; activations are writable arrays.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from ..quant import QType, quantize
+from . import ops
+from .matmul import Activations, matmul
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def warm_up(verbose: bool = False) -> float:
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((64, 128), dtype=np.float32)
+    for qtype in (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32):
+        data = _read_only(quantize(values, qtype))
+        column_slice = data[:, : data.shape[1] // 2]  # strided rows, as the root's own shard
+        for w in (data, column_slice):
+            cols = 128 if w is data else 64
+            for T in (1, 3):
+                x = Activations(rng.standard_normal((T, cols), dtype=np.float32))
+                matmul(w, qtype, x)
+                matmul(w, qtype, x, wide=True)
+        if verbose:
+            print(f"  {qtype.name} matmul ready", file=sys.stderr)
+    x = rng.standard_normal((3, 128), dtype=np.float32)
+    norm = _read_only(np.ones(128, np.float32))
+    ops.rmsnorm(x, norm, 1e-5)
+    ops.silu_mul(x, x)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    ops.rope(q, np.arange(3), 64, 10000.0, False)
+    ops.rope(q, np.arange(3), 64, 10000.0, False, _read_only(np.ones(32, np.float32)))
+    k_cache = np.zeros((2, 32, 64), np.float16)
+    v_cache = np.zeros((2, 64, 32), np.float16)
+    ops.attention(q, k_cache, v_cache, np.array([0, 0, 1, 1]), 0)
+    ops.attention(q[:1], k_cache, v_cache, np.array([0, 0, 1, 1]), 3)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    print("compiling kernels (cached for later runs) ...", file=sys.stderr)
+    print(f"kernels ready in {warm_up(verbose=True):.1f} s", file=sys.stderr)

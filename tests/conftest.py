@@ -1,0 +1,89 @@
+"""General fixtures: the default model, its tokenizer, a llama.cpp reference factory, and
+synthetic GGUF models (written on first use, once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .engine_helpers import SYNTHETIC_SPECS, write_synthetic_model
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The default model (pulled on first use)."""
+    from dllama.registry import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gguf_model(model_path):
+    from dllama.gguf_model import GGUFModel
+
+    return GGUFModel(model_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf_model):
+    from dllama.tokenizer import Tokenizer
+
+    cfg = gguf_model.config
+    return Tokenizer(gguf_model.path, gguf_model.chat_template, cfg.bos_id, cfg.eos_id)
+
+
+@pytest.fixture(scope="session")
+def llama_ref():
+    """llama_ref(path, n_ctx=1024) -> a llama-cpp-python Llama set up to match our numerics (no
+    flash attention, logits for every position). Instances are shared.
+
+    One thread: llama.cpp's logits do not depend on its thread count (each row's dot product is
+    computed whole by one thread), and with 2 threads on a 2-core machine that is busy with
+    something else, OpenMP's spinning barriers make token-by-token evaluation 10-30x slower."""
+    from llama_cpp import Llama
+
+    cache = {}
+
+    def make(path: str, n_ctx: int = 1024):
+        key = (os.fspath(path), n_ctx)
+        if key not in cache:
+            cache[key] = Llama(model_path=key[0], n_ctx=n_ctx, n_batch=512, logits_all=True, n_threads=1,
+                               n_threads_batch=1, flash_attn=False, verbose=False)
+        return cache[key]
+
+    yield make
+    for llama in cache.values():
+        llama.close()
+
+
+@pytest.fixture(scope="module")
+def one_compute_thread():
+    """Run our kernels on one thread for a module (results do not depend on the thread count;
+    see llama_ref on why a busy 2-core machine is faster that way)."""
+    import numba
+
+    from dllama.kernels import set_threads
+
+    before = numba.get_num_threads()
+    set_threads(1)
+    yield
+    set_threads(before)
+
+
+@pytest.fixture(scope="session")
+def synthetic_model(tmp_path_factory, model_path):
+    """synthetic_model(name) -> path of a synthetic GGUF of SYNTHETIC_SPECS[name], written with
+    dllama.synthetic.write_synthetic (the default model's tokenizer) on first use."""
+    folder = tmp_path_factory.mktemp("synthetic")
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            path = str(folder / f"synthetic-{name}.gguf")
+            write_synthetic_model(path, SYNTHETIC_SPECS[name], model_path)
+            paths[name] = path
+        return paths[name]
+
+    return get
+

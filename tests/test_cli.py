@@ -1,0 +1,208 @@
+"""The `dllama` command as a user runs it (a subprocess): inference --json, plain streaming, chat on
+piped input, perplexity, models list, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import jinja2
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from .engine_helpers import TEXT_FILE, llama_greedy, log_softmax, ref_logits
+
+DESIGN_KEYS = {"text", "tokens", "prompt_tokens", "nodes", "sync", "sync_dtype", "tokens_per_s",
+               "prefill_tokens_per_s", "ms_per_token", "bytes_per_token", "peak_rss_mb"}
+PROMPT = "The capital of France is"
+
+
+def dllama(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DLLAMA_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "dllama", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, only_line: bool = True) -> str:
+    """Non-zero exit, no traceback, exactly one line starting with 'error:' (and, with only_line,
+    nothing else on stderr)."""
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    if only_line:
+        assert lines == errors, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+# ------------------------------------------------------------------ inference
+
+
+@pytest.fixture(scope="module")
+def inference_json(model_path):
+    result = dllama("inference", "--model", model_path, "--prompt", PROMPT, "--steps", "24", "--temperature", "0",
+                    "--threads", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_inference_json_report(inference_json, tokenizer):
+    lines = inference_json.stdout.strip().splitlines()
+    assert len(lines) == 1, inference_json.stdout  # one JSON object and nothing else on stdout
+    report = json.loads(lines[0])
+    assert set(report) == DESIGN_KEYS | {"finish_reason", "error"}
+    assert report["nodes"] == 1 and report["error"] is None and report["finish_reason"] == "length"
+    assert report["prompt_tokens"] == len(tokenizer.encode(PROMPT))
+    assert len(report["tokens"]) == 24 and report["text"] == tokenizer.decode(report["tokens"])
+    assert set(report["ms_per_token"]) == {"total", "compute", "sync"}
+    assert set(report["bytes_per_token"]) == {"sent", "recv"}
+    assert report["tokens_per_s"] > 0 and report["prefill_tokens_per_s"] > 0 and report["peak_rss_mb"] > 50
+    assert report["ms_per_token"]["total"] == pytest.approx(1000 / report["tokens_per_s"], rel=1e-6)
+    assert isinstance(report["sync"], str) and isinstance(report["sync_dtype"], str)
+
+
+def test_inference_temperature_0_is_llama_cpp_greedy(inference_json, tokenizer, model_path, llama_ref):
+    report = json.loads(inference_json.stdout)
+    llama = llama_ref(model_path, 1024)
+    expected = llama_greedy(llama, tokenizer.encode(PROMPT), 24, tokenizer.is_eog)
+    assert report["tokens"] == expected
+    assert report["text"] == llama.detokenize(expected).decode("utf-8")
+
+
+def test_inference_streams_prompt_and_text(inference_json, model_path):
+    report = json.loads(inference_json.stdout)
+    result = dllama("inference", "-m", model_path, "-p", PROMPT, "-n", "24", "--temperature", "0", "-t", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == PROMPT + report["text"] + "\n"
+    assert "tok/s" in result.stderr and "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_model_path(tmp_path):
+    result = dllama("inference", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi")
+    assert_one_line_error(result, "missing.gguf")
+    assert result.stdout == ""
+
+
+def test_unknown_model_name():
+    assert_one_line_error(dllama("inference", "--model", "no-such-model", "--prompt", "hi"), "no-such-model", "smollm2")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("just some text, not a model\n" * 10)
+    assert_one_line_error(dllama("inference", "--model", str(path), "--prompt", "hi"), "magic")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(dllama("inference", "--model", str(path), "--prompt", "hi"), "'gpt2'", "architecture")
+
+
+def _retype_tensor(path: str, name: str, new_type: int) -> None:
+    """Change a tensor's type id in place (its header entry: name, n_dims, dims, type, offset)."""
+    blob = bytearray(open(path, "rb").read(64 << 20))
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = blob.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", blob, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    with open(path, "r+b") as f:
+        f.seek(type_at)
+        f.write(struct.pack("<I", new_type))
+
+
+def test_unsupported_tensor_type(tmp_path, synthetic_model):
+    """A tensor of a type we cannot convert (an F32 norm relabelled I32, same size)."""
+    path = str(tmp_path / "i32.gguf")
+    shutil.copy(synthetic_model("Q8_0"), path)
+    _retype_tensor(path, "blk.0.attn_norm.weight", 26)  # GGML_TYPE_I32
+    assert_one_line_error(dllama("inference", "--model", path, "--prompt", "hi", "--steps", "2"),
+                          "blk.0.attn_norm.weight", "unsupported type I32")
+
+
+def test_prompt_longer_than_the_context(model_path):
+    long_prompt = TEXT_FILE.read_text()[:400]
+    args = ("inference", "--model", model_path, "--prompt", long_prompt, "--ctx-size", "16", "--steps", "4")
+    assert_one_line_error(dllama(*args, "--json"), "context", "16")
+    # without --json the model line goes to stderr too; still exactly one error line
+    assert_one_line_error(dllama(*args), "context", only_line=False)
+
+
+def test_invalid_option_values(model_path):
+    result = dllama("inference", "--model", model_path, "--prompt", "hi", "--steps", "0")
+    assert result.returncode != 0 and "Traceback" not in result.stderr and "--steps" in result.stderr
+
+
+# ------------------------------------------------------------------ chat
+
+
+def test_chat_answers_each_piped_line(model_path, gguf_model, tokenizer, llama_ref):
+    questions = ["Hi!", "What is 2+2?"]
+    result = dllama("chat", "--model", model_path, "--temperature", "0", "--max-tokens", "24", "--threads", "1",
+                    stdin="".join(q + "\n" for q in questions))
+    assert result.returncode == 0, result.stderr
+    # the expected answers: llama.cpp's greedy continuation of the templated conversation
+    template = jinja2.Environment().from_string(gguf_model.chat_template)
+    llama = llama_ref(model_path, 1024)
+    messages, expected = [], ""
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        prompt = template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        ids = tokenizer.encode(prompt, add_bos=False, special=True)
+        answer = llama.detokenize(llama_greedy(llama, ids, 24, tokenizer.is_eog)).decode("utf-8")
+        messages.append({"role": "assistant", "content": answer})
+        expected += answer + "\n"
+    assert result.stdout == expected
+
+
+# ------------------------------------------------------------------ perplexity
+
+
+def test_perplexity_equals_llama_cpp_s(model_path, tokenizer, llama_ref):
+    ctx, max_tokens = 64, 200
+    result = dllama("perplexity", "--model", model_path, "--text-file", str(TEXT_FILE), "--ctx-size", str(ctx),
+                    "--max-tokens", str(max_tokens), "--threads", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert math.isfinite(report["perplexity"]) and report["nodes"] == 1
+    # llama.cpp on the same independent windows: each of ctx tokens predicts the next ctx
+    ids = tokenizer.encode(TEXT_FILE.read_text())[:max_tokens]
+    llama = llama_ref(model_path, 1024)
+    logprobs = []
+    for start in range(0, len(ids) - 1, ctx):
+        chunk = ids[start:start + ctx + 1]
+        lp = log_softmax(ref_logits(llama, chunk[:-1]))
+        logprobs += [lp[i, t] for i, t in enumerate(chunk[1:])]
+    assert report["tokens"] == len(logprobs) == max_tokens - 1
+    expected = math.exp(-float(np.mean(logprobs)))
+    assert report["perplexity"] == pytest.approx(expected, rel=1e-3)
+    assert report["mean_logprob"] == pytest.approx(float(np.mean(logprobs)), rel=1e-3)
+
+
+# ------------------------------------------------------------------ models
+
+
+def test_models_list(model_path):
+    result = dllama("models", "list")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("smollm2"))
+    assert " pulled " in line and os.path.basename(model_path) in line

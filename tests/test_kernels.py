@@ -1,0 +1,348 @@
+"""Every numba kernel against its numpy reference, with tolerances a real bug would break (wrong
+block layout, scale, pairing, head mapping or mask), and the references against plain float64
+formulas so that a reference cannot drift along with its kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from dllama.kernels.matmul import Activations, Q8Activations, matmul, matmul_ref, round_f16
+from dllama.kernels.ops import (attention, attention_ref, expf, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
+                                silu_mul_ref)
+from dllama.quant import QK, QType, dequantize, quantize
+from dllama.weights import Matrix
+
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32]
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Largest difference relative to the largest magnitude of the reference."""
+    return float(np.abs(ours.astype(np.float64) - ref.astype(np.float64)).max() / np.abs(ref).max())
+
+
+def weight_matrix(qtype: QType, rows: int, cols: int, seed: int) -> Matrix:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, cols)).astype(np.float32) * np.float32(0.5 / np.sqrt(cols))
+    values[:, :QK] += np.float32(0.02)  # an offset, so Q4_1's minimum term matters
+    return Matrix(qtype, rows, cols, quantize(values, qtype))
+
+
+def activations(T: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    x[:, 3] *= 40.0  # an outlier dimension, as real activations have
+    return x
+
+
+# ------------------------------------------------------------------ matmul
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 37, 129])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_matches_reference(qtype, rows, T):
+    cols = 320
+    w = weight_matrix(qtype, rows, cols, seed=rows)
+    x = activations(T, cols, seed=T)
+    ours = matmul(w.data, qtype, x)
+    ref = matmul_ref(w.data, qtype, x)
+    assert ours.shape == ref.shape == (T, rows) and ours.dtype == np.float32
+    assert rel_err(ours, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_on_column_slices(qtype):
+    """A column slice is a strided view: rows are not adjacent in memory."""
+    rows, cols = 45, 512
+    w = weight_matrix(qtype, rows, cols, seed=11)
+    start, stop = (128, 384) if qtype not in (QType.F16, QType.F32) else (5, 102)  # f16/f32: any column, odd tail
+    part = w.col_slice(start, stop)
+    assert part.cols == stop - start and not part.data.flags.c_contiguous
+    for T in (1, 3, 17):
+        x = activations(T, cols, seed=20 + T)[:, start:stop]
+        ours = part.matmul(x)
+        ref = matmul_ref(np.ascontiguousarray(part.data), qtype, x)
+        assert rel_err(ours, ref) <= 1e-5
+        # the slice of the full product's inputs: same as cutting the dequantized matrix
+        full = dequantize(np.ascontiguousarray(w.data), qtype)[:, start:stop].astype(np.float64)
+        assert rel_err(ours, x.astype(np.float64) @ full.T) <= 0.02  # activation quantization error only
+    rows_part = w.row_slice(7, 30)
+    x = activations(3, cols, seed=40)
+    np.testing.assert_array_equal(rows_part.matmul(x), w.matmul(x)[:, 7:30])
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_reference_is_the_dequantized_product(qtype):
+    """matmul_ref against dequantize(W) @ dequantize(Q8(x)) in float64 (Q4_1 reads the f16-rounded
+    d*sum(q) of each activation block, as GGML's block_q8_1 does; that rounding is the slack)."""
+    rows, cols = 33, 256
+    w = weight_matrix(qtype, rows, cols, seed=3)
+    x = activations(4, cols, seed=4)
+    ref = matmul_ref(w.data, qtype, x)
+    wf = dequantize(w.data, qtype).astype(np.float64)
+    if qtype == QType.F32:
+        xf = x.astype(np.float64)
+    elif qtype == QType.F16:
+        xf = round_f16(x).astype(np.float64)
+    else:
+        a = Q8Activations.quantize_ref(x)
+        xf = (a.q.reshape(4, -1, QK) * a.d[..., None].astype(np.float64)).reshape(4, cols)
+    tol = 2e-3 if qtype == QType.Q4_1 else 1e-6
+    assert rel_err(ref, xf @ wf.T) <= tol
+    # and the float product, unquantized activations: quantizing x costs ~1% at most
+    assert rel_err(ref, x.astype(np.float64) @ wf.T) <= 0.02
+
+
+def test_matmul_vector_out_and_shared_activations():
+    w = weight_matrix(QType.Q4_1, 40, 256, seed=5)
+    g = weight_matrix(QType.Q8_0, 24, 256, seed=6)
+    x = activations(1, 256, seed=7)
+    expected = matmul_ref(w.data, QType.Q4_1, x)
+    y = w.matmul(x[0])
+    assert y.shape == (40,)
+    assert rel_err(y, expected[0]) <= 1e-5
+    out = np.full((1, 40), np.nan, np.float32)
+    assert matmul(w.data, QType.Q4_1, x, out) is out
+    np.testing.assert_array_equal(out[0], y)
+    shared = Activations(x)
+    np.testing.assert_array_equal(w.matmul(shared), out)
+    np.testing.assert_array_equal(g.matmul(shared), g.matmul(x))
+    assert shared.q8 is shared.q8  # quantized once for all the matrices that read it
+
+
+# ------------------------------------------------------------------ activation quantization
+
+
+def _q8_inputs():
+    rng = np.random.default_rng(8)
+    yield "gaussian", rng.standard_normal((17, 576)).astype(np.float32)
+    wide = rng.standard_normal((3, 256)).astype(np.float32) * np.geomspace(1e-6, 1e3, 256).astype(np.float32)
+    yield "wide range", wide
+    ties = np.zeros((2, 64), np.float32)
+    ties[:, 0] = 127.0  # scale exactly 1: every .5 below is a rounding tie
+    ties[0, 1:32] = np.arange(31, dtype=np.float32) - 15.5
+    ties[1, 1:32] = -(np.arange(31, dtype=np.float32) + 0.5)
+    ties[:, 32:] = 0.0  # an all-zero block
+    yield "ties and zeros", ties
+    yield "one value", np.array([[0.0] * 31 + [-5.0]], np.float32)
+
+
+@pytest.mark.parametrize("name, x", list(_q8_inputs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_q8_activation_quantization_equals_reference_exactly(name, x):
+    ours, ref = Q8Activations.quantize(x), Q8Activations.quantize_ref(x)
+    np.testing.assert_array_equal(ours.q, ref.q)
+    np.testing.assert_array_equal(ours.d, ref.d)
+    np.testing.assert_array_equal(ours.ds, ref.ds)
+    assert ours.q.dtype == np.int8 and np.isfinite(ours.d).all()
+
+
+def test_q8_activation_quantization_semantics():
+    """q = rint(x * 127 / amax) (halves to even, as GGML's AVX2 path), d = amax/127 rounded to f16,
+    ds = d * sum(q) rounded to f16; an all-zero block has d = 0 and q = 0."""
+    x = dict(_q8_inputs())["ties and zeros"]
+    a = Q8Activations.quantize(x)
+    np.testing.assert_array_equal(a.q[:, :32], np.rint(x[:, :32]).astype(np.int8))
+    np.testing.assert_array_equal(a.q[:, 32:], 0)
+    assert a.d[0, 0] == np.float32(np.float16(1.0)) and a.d[0, 1] == 0.0
+    np.testing.assert_array_equal(a.ds[:, 0], round_f16(np.rint(x[:, :32]).sum(-1).astype(np.float32)))
+    g = dict(_q8_inputs())["gaussian"]
+    a = Q8Activations.quantize(g)
+    amax = np.abs(g.reshape(17, -1, QK)).max(-1)
+    np.testing.assert_array_equal(a.d, round_f16(amax / np.float32(127.0)))
+    assert np.abs(a.q).max() == 127
+
+
+# ------------------------------------------------------------------ rmsnorm
+
+
+@pytest.mark.parametrize("T, n", [(1, 576), (5, 2048), (3, 64)])
+def test_rmsnorm(T, n):
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, n)).astype(np.float32) * np.float32(3.0)
+    x[0, 1] = 200.0
+    w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    ours = rmsnorm(x, w, 1e-5)
+    np.testing.assert_array_max_ulp(ours, rmsnorm_ref(x, w, 1e-5), maxulp=1)
+    x64 = x.astype(np.float64)
+    exact = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(ours, exact, rtol=1e-6, atol=0)
+    # eps matters for a near-zero row
+    tiny = np.full((1, n), 1e-4, np.float32)
+    np.testing.assert_allclose(rmsnorm(tiny, w, 1e-5), tiny / np.sqrt(1e-8 + 1e-5) * w, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ rope
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+@pytest.mark.parametrize("n_dims, base, factors", [(64, 100000.0, False), (32, 10000.0, True)],
+                         ids=["full", "partial+freq_factors"])
+def test_rope_matches_reference(neox, n_dims, base, factors):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((7, 5, 64)).astype(np.float32)
+    pos = np.array([0, 1, 2, 31, 500, 4095, 8191])
+    ff = np.linspace(1.0, 8.0, n_dims // 2).astype(np.float32) if factors else None
+    y = x.copy()
+    assert rope(y, pos, n_dims, base, neox, ff) is None  # in place
+    ref = rope_ref(x, pos, n_dims, base, neox, ff)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_array_equal(y[..., n_dims:], x[..., n_dims:])  # dims past n_dims untouched
+    np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+def test_rope_reference_is_a_rotation_of_the_right_pairs(neox):
+    """Against the textbook formula in float64 (exact angles pos * base^(-2i/n)), at small positions
+    where GGML's f32 angle recurrence is still accurate."""
+    rng = np.random.default_rng(10)
+    n_dims, base = 64, 10000.0
+    x = rng.standard_normal((4, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 5, 17])
+    half = n_dims // 2
+    theta = pos[:, None] * base ** (-2.0 * np.arange(half) / n_dims)  # (T, half)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    a_idx, b_idx = (np.arange(half), np.arange(half) + half) if neox else (np.arange(0, n_dims, 2),
+                                                                            np.arange(1, n_dims, 2))
+    x64 = x.astype(np.float64)
+    exact = x64.copy()
+    exact[..., a_idx] = x64[..., a_idx] * cos - x64[..., b_idx] * sin
+    exact[..., b_idx] = x64[..., a_idx] * sin + x64[..., b_idx] * cos
+    np.testing.assert_allclose(rope_ref(x, pos, n_dims, base, neox), exact, rtol=0, atol=1e-5)
+    y = x.copy()
+    rope(y, pos, n_dims, base, neox)
+    np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ exp and SiLU
+
+
+@njit(cache=False)
+def _expf_all(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = expf(x[i])
+    return out
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance in units of the last place between non-negative float32 arrays."""
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def test_expf_is_within_two_ulp_of_exp():
+    x = np.concatenate([np.linspace(-104.0, 89.0, 1_000_001, dtype=np.float32),
+                        np.random.default_rng(11).uniform(-1, 1, 100_000).astype(np.float32),
+                        np.float32([-87.33654, -87.3, -88.0, 88.72, 88.7228, -126 * 0.6931, 126 * 0.6931])])
+    ours = _expf_all(x)
+    with np.errstate(over="ignore"):
+        exact = np.exp(x.astype(np.float64)).astype(np.float32)  # correctly rounded
+    finite = np.isfinite(exact)
+    assert (ours[~finite] == np.inf).all()  # overflow to inf as exp does (x > 88.72)
+    normal = finite & (exact >= np.finfo(np.float32).tiny)
+    assert _ulps(ours[normal], exact[normal]).max() <= 2
+    sub = finite & ~normal  # subnormal results: within one step of the subnormal grid
+    assert sub.sum() > 1000 and _ulps(ours[sub], exact[sub]).max() <= 1
+
+
+def test_expf_special_values():
+    x = np.float32([-np.inf, np.inf, np.nan, 0.0, -0.0, -1000.0, 1000.0, -150.0, 89.0,
+                    np.finfo(np.float32).max, -np.finfo(np.float32).max, 1e-30])
+    y = _expf_all(x)
+    assert y[0] == 0.0 and y[1] == np.inf and np.isnan(y[2])
+    assert y[3] == 1.0 and y[4] == 1.0
+    assert y[5] == 0.0 and y[6] == np.inf and y[7] == 0.0 and y[8] == np.inf
+    assert y[9] == np.inf and y[10] == 0.0 and y[11] == 1.0
+
+
+def test_silu_mul():
+    rng = np.random.default_rng(12)
+    gate = np.concatenate([rng.standard_normal((3, 1000)) * 10,
+                           np.linspace(-120, 120, 1000)[None]]).astype(np.float32)
+    up = rng.standard_normal((4, 1000)).astype(np.float32)
+    ours = silu_mul(gate, up)
+    ref = silu_mul_ref(gate, up)
+    # silu(g) for g < -88 is a subnormal in float64 and 0 in f32 math (exp(-g) overflows), as in GGML
+    np.testing.assert_allclose(ours, ref, rtol=5e-7, atol=1e-30)
+    g64 = gate.astype(np.float64)
+    np.testing.assert_allclose(ref, g64 / (1 + np.exp(-g64)) * up, rtol=1e-6, atol=1e-37)
+    assert np.isfinite(ours).all()
+
+
+# ------------------------------------------------------------------ attention
+
+
+def _kv(rng, Hkv, ctx, D, filled):
+    """f16 caches with `filled` cells written and the rest zero, as the engine leaves them."""
+    k = np.zeros((Hkv, ctx, D), np.float16)
+    v = np.zeros((Hkv, D, ctx), np.float16)
+    k[:, :filled] = rng.standard_normal((Hkv, filled, D)).astype(np.float16)
+    v[:, :, :filled] = rng.standard_normal((Hkv, D, filled)).astype(np.float16)
+    return k, v
+
+
+@pytest.mark.parametrize("T, start, Hq, Hkv, kv_map", [
+    (1, 0, 4, 4, None),  # first token, one query head per KV head
+    (1, 37, 8, 2, None),  # decode step, GQA
+    (5, 20, 8, 2, None),  # a prefill chunk after cached tokens
+    (17, 0, 9, 3, None),  # SmolLM2's layout
+    (3, 11, 4, 2, [1, 1, 0, 1]),  # an arbitrary head -> cache mapping (replicated KV heads on a node)
+], ids=["T1-start0", "decode-gqa", "chunk-gqa", "prefill-9x3", "custom-map"])
+def test_attention_matches_reference(T, start, Hq, Hkv, kv_map):
+    rng = np.random.default_rng(T * 100 + start)
+    D, ctx = 64, 64
+    k, v = _kv(rng, Hkv, ctx, D, start + T)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32) * np.float32(2.0)
+    kv_of_head = np.array(kv_map if kv_map else np.arange(Hq) // (Hq // Hkv), np.int64)
+    ours = attention(q, k, v, kv_of_head, start)
+    ref = attention_ref(q, k, v, kv_of_head, start)
+    assert ours.shape == (T, Hq, D)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=5e-5 * np.abs(ref).max())
+
+
+def test_attention_is_causal_and_ignores_stale_cells():
+    """Cells past each query's position (other tokens' future, or stale ones after a rewind) must
+    not change its output."""
+    rng = np.random.default_rng(13)
+    T, start, Hq, Hkv, D, ctx = 4, 9, 4, 2, 64, 32
+    k, v = _kv(rng, Hkv, ctx, D, start + T)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    kv_of_head = np.arange(Hq) // 2
+    clean = attention(q, k, v, kv_of_head, start)
+    k[:, start + T:] = 300.0  # big but finite garbage
+    v[:, :, start + T:] = -200.0
+    np.testing.assert_array_equal(attention(q, k, v, kv_of_head, start), clean)
+    # query t sees cells 0..start+t only: changing cell start+2 changes tokens 2.. but not 0, 1
+    k[:, start + 2] += np.float16(1.0)
+    changed = attention(q, k, v, kv_of_head, start)
+    np.testing.assert_array_equal(changed[:2], clean[:2])
+    assert not np.array_equal(changed[2:], clean[2:])
+
+
+def test_attention_reference_is_softmax_attention():
+    """attention_ref against float64 softmax(q.k / sqrt(D)) @ v, the only difference being the
+    f16 rounding of q and of the probabilities (as GGML's f16 KV cache path does)."""
+    rng = np.random.default_rng(14)
+    T, start, Hq, Hkv, D, ctx = 3, 6, 4, 2, 32, 16
+    k, v = _kv(rng, Hkv, ctx, D, start + T)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    kv_of_head = np.arange(Hq) // 2
+    ref = attention_ref(q, k, v, kv_of_head, start)
+    exact = np.empty_like(ref, dtype=np.float64)
+    for t in range(T):
+        for h in range(Hq):
+            n = start + t + 1
+            s = k[kv_of_head[h], :n].astype(np.float64) @ q[t, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            exact[t, h] = (p / p.sum()) @ v[kv_of_head[h], :, :n].astype(np.float64).T
+    np.testing.assert_allclose(ref, exact, rtol=0, atol=3e-3 * np.abs(exact).max())
+
+
+def test_attention_rejects_unaligned_shapes():
+    q = np.zeros((1, 2, 60), np.float32)
+    with pytest.raises(ValueError):
+        attention(q, np.zeros((1, 16, 60), np.float16), np.zeros((1, 60, 16), np.float16), np.zeros(2, np.int64), 0)
+    q = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(ValueError):
+        attention(q, np.zeros((1, 12, 64), np.float16), np.zeros((1, 64, 12), np.float16), np.zeros(2, np.int64), 0)

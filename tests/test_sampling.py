@@ -1,0 +1,209 @@
+"""Sampling over a vocabulary split across nodes: the summaries of 2-5 slices must give what one
+whole slice gives (same pick, same probabilities, same log-probabilities), with llama.cpp's
+semantics for greedy, temperature, top-k, top-p and the repetition penalty."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dllama.sampling import (MAX_CANDIDATES, LogitSummary, Sampler, SamplingParams, apply_repeat_penalty, global_lse,
+                             summarize, target_logprob)
+
+VOCAB = 3000
+
+
+def logits_row(seed: int, vocab: int = VOCAB, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(vocab) * scale).astype(np.float32)
+
+
+def cuts(vocab: int, n: int, seed: int) -> list[tuple[int, int]]:
+    """n uneven contiguous slices of [0, vocab)."""
+    inner = np.sort(np.random.default_rng(seed).choice(np.arange(1, vocab), n - 1, replace=False))
+    bounds = [0, *inner.tolist(), vocab]
+    return list(zip(bounds, bounds[1:]))
+
+
+def split_summaries(logits, params, n, seed=0, recent=(), target=None):
+    """Node summaries in an arbitrary order (the root receives them as they come)."""
+    out = [summarize(logits[a:b], a, params, recent, target) for a, b in cuts(len(logits), n, seed)]
+    return [out[i] for i in np.random.default_rng(seed + 1).permutation(n)]
+
+
+def softmax64(x):
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+# ------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_greedy_is_argmax(n):
+    params = SamplingParams(temperature=0.0)
+    sampler = Sampler(params)
+    for seed in range(20):
+        logits = logits_row(seed)
+        assert sampler.pick(split_summaries(logits, params, n, seed)) == int(np.argmax(logits))
+
+
+def test_greedy_ties_go_to_the_lowest_id_across_slices():
+    logits = np.zeros(100, np.float32)
+    logits[[17, 42, 88]] = 5.0
+    params = SamplingParams(temperature=0.0)
+    for n in (1, 2, 4):
+        parts = [summarize(logits[a:b], a, params) for a, b in cuts(100, n, 3)]
+        assert Sampler(params).pick(parts[::-1]) == 17
+
+
+# ------------------------------------------------------------------ split == whole
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("top_k, top_p, temperature", [(40, 0.9, 0.8), (5, 1.0, 1.0), (1, 1.0, 1.5), (100, 0.5, 0.7),
+                                                       (MAX_CANDIDATES, 0.95, 1.2), (0, 1.0, 1.0), (1000, 0.98, 1.0)],
+                         ids=["k40-p0.9", "k5", "k1", "k100-p0.5", "kMAX-p0.95", "no-cut", "k1000-p0.98"])
+def test_split_picks_equal_whole_picks(n, top_k, top_p, temperature):
+    """Also without a top-k cut (top_k 0) or above the per-node cap: the candidates must then be
+    the global best MAX_CANDIDATES, not up to MAX_CANDIDATES per node, or the distribution would
+    depend on how many nodes hold the vocabulary."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for seed in range(30):
+        logits = logits_row(seed, scale=2.0)
+        whole = [summarize(logits, 0, params)]
+        parts = split_summaries(logits, params, n, seed)
+        assert global_lse(parts) == pytest.approx(whole[0].lse, abs=1e-9)
+        a = Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
+        b = Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
+        assert [a.pick(whole) for _ in range(20)] == [b.pick(parts) for _ in range(20)]
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_split_candidates_and_probabilities_equal_whole(n):
+    """The merged candidates are the whole slice's top-k, best first, and their probabilities
+    (normalized by the global log-sum-exp) are the full softmax's."""
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=1.0)
+    logits = logits_row(7)
+    parts = split_summaries(logits, params, n, 7)
+    ids = np.concatenate([s.ids for s in parts])
+    vals = np.concatenate([s.logits for s in parts])
+    order = np.lexsort((ids, -vals))[:50]
+    expected = np.argsort(-logits, kind="stable")[:50]
+    np.testing.assert_array_equal(ids[order], expected)
+    probs = np.exp(vals[order].astype(np.float64) / 0.7 - global_lse(parts))
+    np.testing.assert_allclose(probs, softmax64(logits.astype(np.float64) / 0.7)[expected], rtol=1e-9)
+
+
+# ------------------------------------------------------------------ distributions
+
+
+def test_sampling_follows_the_softmax():
+    """With no cut, picks are distributed as softmax(logits / T) (small vocabulary, 20k draws)."""
+    logits = logits_row(1, vocab=50, scale=1.0)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=123)
+    sampler = Sampler(params)
+    parts = split_summaries(logits, params, 3, 1)
+    draws = np.array([sampler.pick(parts) for _ in range(20000)])
+    freq = np.bincount(draws, minlength=50) / len(draws)
+    np.testing.assert_allclose(freq, softmax64(logits / 0.8), atol=0.012)
+
+
+def test_top_k_restricts_the_candidates():
+    logits = logits_row(2, scale=0.3)  # flat: without the cut, picks would spread far
+    params = SamplingParams(temperature=1.0, top_k=7, top_p=1.0, seed=5)
+    sampler = Sampler(params)
+    parts = split_summaries(logits, params, 4, 2)
+    picks = {sampler.pick(parts) for _ in range(2000)}
+    assert picks == set(np.argsort(-logits)[:7].tolist())
+
+
+@pytest.mark.parametrize("top_p, allowed", [(0.4, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.97, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, allowed):
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (rest ~0): llama.cpp keeps tokens until their sum reaches p."""
+    probs = np.array([0.5, 0.3, 0.15, 0.05 - 1e-9 * 96] + [1e-9] * 96)
+    logits = np.log(probs).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=top_p, seed=9)
+    sampler = Sampler(params)
+    parts = split_summaries(logits, params, 3, 4)
+    picks = {sampler.pick(parts) for _ in range(3000)}
+    assert picks == allowed
+
+
+def test_seeds_reproduce():
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=42)
+    logits = logits_row(3, scale=0.5)
+    parts = split_summaries(logits, params, 2, 3)
+    runs = [[Sampler(params).pick(parts) for _ in range(1)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    a, b = Sampler(params), Sampler(params)
+    seq_a, seq_b = [a.pick(parts) for _ in range(50)], [b.pick(parts) for _ in range(50)]
+    assert seq_a == seq_b
+    other = Sampler(SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=43))
+    assert [other.pick(parts) for _ in range(50)] != seq_a
+
+
+# ------------------------------------------------------------------ log-probabilities (perplexity)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_target_logprob_is_log_softmax(n):
+    params = SamplingParams(temperature=0.0)
+    for seed in range(10):
+        logits = logits_row(seed, scale=4.0)
+        lsm = np.log(softmax64(logits))
+        for target in (0, 1, int(np.argmax(logits)), VOCAB - 1, 1234):
+            parts = split_summaries(logits, params, n, seed, target=target)
+            assert sum(s.target_logit is not None for s in parts) == 1
+            assert target_logprob(parts) == pytest.approx(lsm[target], abs=1e-6)
+
+
+def test_target_logprob_needs_exactly_one_owner():
+    params = SamplingParams(temperature=0.0)
+    logits = logits_row(0)
+    with pytest.raises(ValueError):
+        target_logprob([summarize(logits, 0, params)])  # no target given
+    twice = [summarize(logits, 0, params, target=5), summarize(logits, 0, params, target=5)]
+    with pytest.raises(ValueError):
+        target_logprob(twice)
+
+
+# ------------------------------------------------------------------ repetition penalty
+
+
+def test_repeat_penalty_is_llama_cpp_s():
+    logits = np.array([2.0, -2.0, 1.0, -1.0, 0.5, 3.0], np.float32)
+    out = logits.copy()
+    apply_repeat_penalty(out, 0, [0, 1, 1, 4, 99], 1.5)  # repeats count once; ids outside are ignored
+    np.testing.assert_allclose(out, [2.0 / 1.5, -3.0, 1.0, -1.0, 0.5 / 1.5, 3.0])
+    # on a slice, with global ids
+    part = logits[3:].copy()
+    apply_repeat_penalty(part, 3, [0, 4, 5], 2.0)
+    np.testing.assert_allclose(part, [-1.0, 0.25, 1.5])
+    same = logits.copy()
+    apply_repeat_penalty(same, 0, [0, 1], 1.0)
+    np.testing.assert_array_equal(same, logits)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_repeat_penalty_changes_greedy_pick_and_normalizer(n):
+    logits = logits_row(4)
+    best = int(np.argmax(logits))
+    params = SamplingParams(temperature=0.0, repeat_penalty=10.0)
+    recent = [best, 5, 6]
+    parts = split_summaries(logits, params, n, 4, recent=recent, target=best)
+    penalized = logits.copy()
+    apply_repeat_penalty(penalized, 0, recent, 10.0)
+    assert Sampler(params).pick(parts) == int(np.argmax(penalized)) != best
+    assert global_lse(parts) == pytest.approx(np.log(np.exp(penalized.astype(np.float64)).sum()), abs=1e-9)
+    assert target_logprob(parts) == pytest.approx(np.log(softmax64(penalized))[best], abs=1e-6)
+
+
+def test_summary_wire_round_trip():
+    params = SamplingParams(temperature=0.9, top_k=8)
+    s = summarize(logits_row(5), 1000, params, target=1003)
+    back = LogitSummary.from_wire(s.to_wire())
+    np.testing.assert_array_equal(back.ids, s.ids)
+    np.testing.assert_array_equal(back.logits, s.logits)
+    assert back.lse == s.lse and back.target_logit == s.target_logit
+    assert s.ids.min() >= 1000 and len(s.ids) == 8
