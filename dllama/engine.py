@@ -6,6 +6,7 @@ on this process alone (`LocalEngine`) or across a cluster (`dllama.cluster`) is 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -49,8 +50,12 @@ class Engine:
     sync_dtype: str = "f32"
 
     def __init__(self):
-        self.n_cached = 0  # tokens in the KV cache
+        self.context: list[int] = []  # the tokens in the KV cache, in order
+        # how the cache was built: (tokens, one-token order) per forward pass, so that it can be
+        # rebuilt bit for bit (attention sums in another order for a single token)
+        self.segments: list[tuple[int, bool]] = []
         self.stats = StepStats()
+        self.lock = asyncio.Lock()  # one generation at a time drives the engine
 
     async def feed(self, tokens: list[int], params: SamplingParams, recent: list[int] = (),
                    targets: list[int] | None = None) -> list[list[LogitSummary]]:
@@ -63,11 +68,13 @@ class Engine:
             chunk = tokens[i:i + PREFILL_CHUNK]
             last = i + len(chunk) == len(tokens)
             chunk_targets = None if targets is None else targets[i:i + len(chunk)]
+            one_token = len(chunk) == 1
             if chunk_targets is None and not last:
-                await self._forward(chunk, self.n_cached, params, recent, None, want_logits=False)
+                await self._forward(chunk, self.n_cached, params, recent, None, False, one_token)
             else:
-                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, want_logits=True)
-            self.n_cached += len(chunk)
+                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, True, one_token)
+            self.context += chunk
+            self.segments.append((len(chunk), one_token))
         return out
 
     async def warm_up(self) -> None:
@@ -76,11 +83,30 @@ class Engine:
         await self.feed([0], SamplingParams(temperature=0.0))
         self.rewind(0)
 
+    @property
+    def n_cached(self) -> int:
+        return len(self.context)
+
     def rewind(self, n_tokens: int) -> None:
         """Forget the context after its first n_tokens (the cache is overwritten from there)."""
-        self.n_cached = min(self.n_cached, n_tokens)
+        del self.context[n_tokens:]
+        kept, total = [], 0
+        for n, one_token in self.segments:
+            if total >= n_tokens:
+                break
+            kept.append((min(n, n_tokens - total), one_token))
+            total += kept[-1][0]
+        self.segments = kept
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits) -> list[list[LogitSummary]]:
+    async def on_request(self) -> None:
+        """Called before each generation (a cluster may re-admit workers that came back)."""
+
+    def node_status(self) -> list[dict]:
+        """Every node, whether it takes part, and its figures of the last step."""
+        return [{"node": "root", "up": True, "rank": 0}]
+
+    async def _forward(self, tokens, start, params, recent, targets, want_logits,
+                       one_token: bool) -> list[list[LogitSummary]]:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -101,10 +127,10 @@ class LocalEngine(Engine):
                                 wide_partials=sync_dtype == "f64")
         self.ctx_size = self.model.ctx_size
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits):
+    async def _forward(self, tokens, start, params, recent, targets, want_logits, one_token):
         t0 = time.perf_counter()
         x = self.embedding.row_values(np.asarray(tokens))
-        h = await self.model.forward(x, start)
+        h = await self.model.forward(x, start, one_token=one_token)
         summaries = []
         if want_logits:
             rows = h if targets is not None else h[-1:]

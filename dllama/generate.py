@@ -3,6 +3,7 @@ streaming, and the figures users ask for (tokens/s, compute vs sync time, bytes 
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Generation:
             "bytes_per_token": {"sent": per_token(self.decode_stats.bytes_sent),
                                 "recv": per_token(self.decode_stats.bytes_recv)},
             "peak_rss_mb": peak_rss_mb(),
+            # each worker's last step: bytes sent/received (one token, after the prompt), RSS
+            "workers": [{"node": n["node"], "up": n["up"], **(n.get("stats") or {})}
+                        for n in engine.node_status()[1:]],
         }
 
 
@@ -58,24 +62,30 @@ def peak_rss_mb() -> float:
 
 
 class Generator:
-    """Generates on one engine, remembering which tokens its KV cache holds so that a request
-    that extends the previous conversation only computes the new tokens."""
+    """Generates on one engine. A request that extends what the KV cache holds (the previous
+    turn of a conversation) only computes the new tokens."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.history: list[int] = []  # the tokens in the KV cache, in order
 
     async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int,
                        stop: list[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
+        """Generate after `prompt`. Requests are served one at a time (they queue on the engine's
+        lock). Cancelling the caller (a client that went away) stops the generation between two
+        steps: a step in flight always completes, so every node stays in step."""
+        async with self.engine.lock:
+            await self.engine.on_request()
+            return await self._generate(prompt, params, max_tokens, stop, on_text)
+
+    async def _generate(self, prompt, params, max_tokens, stop, on_text) -> Generation:
         if not prompt:
             raise DllamaError("the prompt is empty")
         if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
-        reused = _common_prefix(self.history, prompt)
+        reused = _common_prefix(self.engine.context, prompt)
         reused = min(reused, len(prompt) - 1)  # at least one token must run to produce logits
         self.engine.rewind(reused)
-        self.history = self.history[:reused]
 
         out = Generation("", [], len(prompt), "length", prefill_tokens=len(prompt) - reused)
         sampler = Sampler(params)
@@ -85,8 +95,7 @@ class Generator:
         t0 = time.perf_counter()
         decode_t0, stats0 = None, None
         try:
-            summaries = await self.engine.feed(prompt[reused:], params, recent=prompt[-window:])
-            self.history = list(prompt)
+            summaries = await _step(self.engine.feed(prompt[reused:], params, recent=prompt[-window:]))
             out.prefill_s = time.perf_counter() - t0
             decode_t0, stats0 = time.perf_counter(), self.engine.stats.copy()
             while len(out.tokens) < max_tokens:
@@ -98,15 +107,14 @@ class Generator:
                 if emitter.push(decoder.feed(token)):
                     out.finish_reason = "stop"
                     break
-                if len(out.tokens) == max_tokens or len(self.history) >= self.engine.ctx_size:
+                if len(out.tokens) == max_tokens or self.engine.n_cached >= self.engine.ctx_size:
                     break  # done, or the token has no room in the KV cache
-                summaries = await self.engine.feed([token], params, recent=(self.history + [token])[-window:])
-                self.history.append(token)
+                recent = (self.engine.context + [token])[-window:]
+                summaries = await _step(self.engine.feed([token], params, recent=recent))
                 out.decode_steps += 1
         except DllamaError as e:
             out.finish_reason, out.error = "error", str(e)
-            self.history = []  # the cache state is unknown after a failure
-            self.engine.rewind(0)
+            self.engine.rewind(0)  # the cache state is unknown after a failure
         if decode_t0 is not None:
             out.decode_s = time.perf_counter() - decode_t0
             out.decode_stats = self.engine.stats.copy() - stats0
@@ -115,6 +123,21 @@ class Generator:
         emitter.close()
         out.text = emitter.text
         return out
+
+
+async def _step(feed):
+    """Await one engine step so that cancelling the caller cannot cut it in half: the step runs
+    to its end (its nodes all finish it), then the cancellation is raised here."""
+    task = asyncio.ensure_future(feed)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            try:
+                await task
+            except Exception:
+                pass
+        raise
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

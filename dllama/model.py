@@ -124,9 +124,11 @@ class ShardModel:
         self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
         self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
 
-    async def forward(self, x: np.ndarray, start: int, all_reduce: AllReduce = no_sync) -> np.ndarray:
+    async def forward(self, x: np.ndarray, start: int, all_reduce: AllReduce = no_sync,
+                      one_token: bool | None = None) -> np.ndarray:
         """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every
-        layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every node."""
+        layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every
+        node. one_token: the attention's summation order (see kernels.ops.attention)."""
         cfg, hd = self.config, self.config.head_dim
         T = x.shape[0]
         if start + T > self.ctx_size:
@@ -145,7 +147,7 @@ class ShardModel:
                 rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors)
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
                 v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
-                att = attention(q, k_cache, v_cache, self.kv_of_head, start)
+                att = attention(q, k_cache, v_cache, self.kv_of_head, start, one_token)
                 partial = w.wo.matmul(att.reshape(T, nq * hd), wide=self.wide)
             else:
                 partial = np.zeros(x.shape, np.float64 if self.wide else np.float32)

@@ -104,13 +104,13 @@ async def test_follow_up_request_reuses_the_kv_cache(new_generator, gguf_model, 
     assert second.prefill_tokens == len(follow_up) - cached
     assert second.prompt_tokens == len(follow_up)
     # a fresh engine given the same forward passes (the prompt, then the answer one token at a
-    # time, then the rest) continues the same way: the reused cache is what those passes leave
+    # time, then the rest) continues the same way: the reused cache is what those passes leave,
+    # and the engine knows which tokens it holds
     engine = LocalEngine(gguf_model, 512)
     await engine.feed(first_prompt, GREEDY)
     for token in first.tokens[:-1]:
         await engine.feed([token], GREEDY)
     replay = Generator(engine, tokenizer)
-    replay.history = follow_up[:cached]
     again = await replay.generate(follow_up, GREEDY, 12)
     assert again.prefill_tokens == second.prefill_tokens
     assert second.tokens == again.tokens and second.text == again.text
@@ -146,7 +146,6 @@ async def test_diverging_request_rewinds_the_cache(new_generator, gguf_model, to
     engine = LocalEngine(gguf_model, 512)
     await engine.feed(b[:-1], GREEDY)
     replay = Generator(engine, tokenizer)
-    replay.history = b[:-1]
     assert (await replay.generate(b, GREEDY, 10)).tokens == repeat.tokens
 
 
@@ -194,8 +193,10 @@ async def test_generation_stops_at_the_end_of_the_context(new_generator, tokeniz
     assert out.tokens == fresh.tokens
 
 
-def test_context_is_rounded_up_to_the_cache_granularity(gguf_model):
-    assert LocalEngine(gguf_model, 30).ctx_size == 32
+def test_context_is_what_was_asked_and_the_cache_is_padded(gguf_model):
+    engine = LocalEngine(gguf_model, 30)
+    assert engine.ctx_size == 30
+    assert engine.model.k_cache[0].shape[1] == 32 and engine.model.v_cache[0].shape[2] == 32
 
 
 # ------------------------------------------------------------------ end of generation

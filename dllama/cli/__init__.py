@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 
@@ -42,6 +43,9 @@ def _module_exists(target: str) -> bool:
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """dllama: run one LLM across several weak machines (tensor parallelism over TCP)."""
+    # node failures and recoveries are logged as warnings: one line each, on stderr
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,6 +58,8 @@ def cluster_options(f):
                   help="Shared secret for node authentication (env DLLAMA_SECRET).")
     @click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
                   help="Seconds a silent node is given before it is declared dead.")
+    @click.option("--recover/--no-recover", default=True, show_default=True,
+                  help="When a worker dies, re-plan onto the others and finish (else stop with an error).")
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         return f(*args, **kwargs)
@@ -143,7 +145,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
             engine = await ClusterEngine(
                 model, ctx, workers, algo=opts.get("sync_algo", "auto"), sync_dtype=opts.get("sync_dtype", "f32"),
                 weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
-                timeout=opts.get("timeout", 30.0), spin=0.0 if n_local else None, progress=not quiet).start()
+                timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True)).start()
         except BaseException:
             if local is not None:
                 local.stop()

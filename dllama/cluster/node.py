@@ -15,19 +15,21 @@ from .protocol import CODEC_OF_SYNC_DTYPE
 
 
 class NodeStep:
-    def __init__(self, model: ShardModel, group: ProcessGroup, sync_dtype: str):
+    def __init__(self, model: ShardModel, group: ProcessGroup | None, sync_dtype: str):
         self.model = model
         self.group = group
         self.codec = CODEC_OF_SYNC_DTYPE[sync_dtype]
 
     async def _all_reduce(self, partial: np.ndarray) -> np.ndarray:
+        if self.group is None:  # the root alone, after every worker is gone
+            return partial
         return await self.group.all_reduce(partial, op="sum", codec=self.codec)
 
     async def run(self, x: np.ndarray, start: int, logits: str, params: SamplingParams, recent: list[int],
-                  targets: list[int] | None) -> list[LogitSummary]:
+                  targets: list[int] | None, one_token: bool | None = None) -> list[LogitSummary]:
         """Forward the tokens whose embeddings are x (T, dim) at positions start..; summarize the
         logits of no position, the last one, or all of them (logits = "none" | "last" | "all")."""
-        h = await self.model.forward(x, start, self._all_reduce)
+        h = await self.model.forward(x, start, self._all_reduce, one_token)
         if logits == "none":
             return []
         rows = h if logits == "all" else h[-1:]

@@ -1,5 +1,11 @@
 """The root of a cluster: plans the split, streams each worker its slices, and runs its own
-shard of every step alongside the workers' (`ClusterEngine`, an `Engine` like the local one)."""
+shard of every step alongside the workers' (`ClusterEngine`, an `Engine` like the local one).
+
+When a worker dies or hangs mid-step, the root (which holds the whole model) re-plans onto the
+nodes that still answer, streams them their new slices, replays the context to rebuild the KV
+caches, and finishes the step: the caller never sees the failure. With no worker left, the root
+carries on alone. A worker that comes back joins again at the start of the next request.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +18,22 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import DllamaError, NetworkError
-from ..gguf_model import GGUFModel
 from ..engine import Engine
+from ..errors import DllamaError, NetworkError, PeerClosed
+from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, shard_tensors
 from ..net import connect
 from ..net.frames import pack_msg
 from ..plan import Plan
-from ..sampling import LogitSummary
+from ..sampling import LogitSummary, SamplingParams
 from ..sync import init_process_group
-from ..sync.group import DEFAULT_SPIN
 from . import protocol as P
 from .node import NodeStep, measure_speed, mem_available
 from .slices import make_entry, tensor_bytes
 
 log = logging.getLogger("dllama.root")
+
+BUSY_RETRY_S = 0.1  # a worker still closing its previous session answers "busy" for a moment
 
 
 @dataclass
@@ -39,6 +46,10 @@ class WorkerInfo:
     mem_available: int | None = None
     ready: dict | None = None
     last_stats: dict | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
 
     @property
     def name(self) -> str:
@@ -60,41 +71,76 @@ class ClusterEngine(Engine):
 
     def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *, algo: str = "auto",
                  sync_dtype: str = "f32", weights: list[float] | str | None = None, secret: str | None = None,
-                 timeout: float = 30.0, spin: float | None = None, progress: bool = True):
+                 timeout: float = 30.0, spin: float | None = None, progress: bool = True, recover: bool = True):
         super().__init__()
         if sync_dtype not in P.CODEC_OF_SYNC_DTYPE:
             raise DllamaError(f"unknown sync dtype {sync_dtype!r} ({', '.join(P.CODEC_OF_SYNC_DTYPE)})")
         self.model_file = model
         self.config = model.config
         self.ctx_size = ctx_size
-        self.workers = [WorkerInfo(i + 1, h, p) for i, (h, p) in enumerate(workers)]
-        self.n_nodes = len(workers) + 1
+        self.addresses = [tuple(a) for a in workers]  # as configured; active ones are in self.workers
+        self.workers: list[WorkerInfo] = []
         self.sync_name = algo
         self.sync_dtype = sync_dtype
         self.requested_weights = weights
         self.secret = secret
         self.timeout = timeout
-        self.spin = DEFAULT_SPIN if spin is None else spin
+        self.spin = spin
         self.progress = progress
+        self.recover = recover
         self.embedding = model.matrix("token_embd.weight")
         self.plan: Plan | None = None
         self.group = None
         self.step: NodeStep | None = None
-        self.session = uuid.uuid4().hex[:12]
+        self.session = ""
+        self.events: list[str] = []  # failures and recoveries, for logs and /metrics
 
-    # ------------------------------------------------------------------ start-up
+    @property
+    def n_nodes(self) -> int:
+        return len(self.workers) + 1
+
+    def node_status(self) -> list[dict]:
+        """Every configured node and whether it takes part now."""
+        active = {w.address: w for w in self.workers}
+        status = [{"node": "root", "up": True, "rank": 0}]
+        for i, address in enumerate(self.addresses):
+            w = active.get(address)
+            name = w.name if w else f"worker ({address[0]}:{address[1]})"
+            status.append({"node": name, "up": w is not None, "rank": w.rank if w else None,
+                           "stats": w.last_stats if w else None})
+        return status
+
+    # ------------------------------------------------------------------ building a session
 
     async def start(self) -> "ClusterEngine":
         try:
-            await self._start()
+            await self._build(self.addresses, tolerate_missing=False)
         except BaseException:
             await self.close()
             raise
         return self
 
-    async def _start(self) -> None:
+    async def _build(self, addresses, tolerate_missing: bool) -> None:
+        """A new session over the workers at `addresses` that answer: plan, stream slices, form the
+        sync group. Unreachable workers are an error, or (tolerate_missing) left out."""
+        self.session = uuid.uuid4().hex[:12]
         measure = self.requested_weights == "auto"
-        await asyncio.gather(*(self._connect(w, measure) for w in self.workers))
+        candidates = [WorkerInfo(i + 1, h, p) for i, (h, p) in enumerate(addresses)]
+        results = await asyncio.gather(*(self._connect(w, measure) for w in candidates), return_exceptions=True)
+        self.workers = []
+        for w, result in zip(candidates, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, NetworkError) or not tolerate_missing:
+                    for other in candidates:
+                        if other.conn is not None:
+                            await other.conn.close()
+                    raise result
+                self._event(f"{w.name} is not available: {result}")
+            else:
+                self.workers.append(w)
+        for rank, w in enumerate(self.workers, start=1):  # ranks are contiguous among the present
+            w.rank = rank
+            w.conn.peer = w.conn.peer._replace(rank=rank)
         self.plan = Plan.split(self.config, self._node_weights(measure))
         self._check_memory()
         own = self.plan.shards[0]
@@ -107,23 +153,35 @@ class ClusterEngine(Engine):
                                    for w, s, m in zip(self.workers, self.plan.shards[1:], manifests)))
         model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own), self.ctx_size,
                            wide_partials=self.sync_dtype == "f64")
-        for w in self.workers:
-            await w.conn.send_msg(P.GO, {})
-        addrs = [None] + [(w.host, w.port) for w in self.workers]
-        self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync_name,
-                                              secret=self.secret, timeout=self.timeout, spin=self.spin)
+        self.group = None
+        if self.workers:
+            for w in self.workers:
+                await w.conn.send_msg(P.GO, {})
+            addrs = [None] + [w.address for w in self.workers]
+            self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync_name,
+                                                  secret=self.secret, timeout=self.timeout, spin=self.spin)
+            for w in self.workers:
+                _kind, w.ready = await self._expect(w, P.READY)
         self.step = NodeStep(model, self.group, self.sync_dtype)
-        for w in self.workers:
-            _kind, w.ready = await self._expect(w, P.READY)
-        self.group.reset_stats()
 
     async def _connect(self, w: WorkerInfo, measure: bool) -> None:
-        w.conn = await connect(w.host, w.port, role="control", secret=self.secret, peer_rank=w.rank,
-                               timeout=self.timeout, heartbeat=self.timeout / 4, session=self.session,
-                               max_frame=P.TENSOR_CHUNK + (1 << 20))
-        await w.conn.send_msg(P.PROBE, {"measure": measure})
-        _kind, probed = await self._expect(w, P.PROBED, timeout=max(self.timeout, 60.0))
-        w.gmacs, w.mem_available = probed.get("gmacs"), probed.get("mem_available")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            w.conn = await connect(w.host, w.port, role="control", secret=self.secret, peer_rank=w.rank,
+                                   timeout=self.timeout, heartbeat=self.timeout / 4, session=self.session,
+                                   connect_timeout=min(self.timeout, 10.0), max_frame=P.MAX_SETUP)
+            await w.conn.send_msg(P.PROBE, {"measure": measure})
+            try:
+                _kind, probed = await self._expect(w, P.PROBED, timeout=max(self.timeout, 60.0))
+            except DllamaError as e:
+                await w.conn.close()
+                # still finishing a failed session: it answers "busy" (or hangs up) for a moment
+                if ("busy" in str(e) or isinstance(e, PeerClosed)) and time.monotonic() < deadline:
+                    await asyncio.sleep(BUSY_RETRY_S)
+                    continue
+                raise
+            w.gmacs, w.mem_available = probed.get("gmacs"), probed.get("mem_available")
+            return
 
     def _node_weights(self, measured: bool) -> list[float]:
         if measured:
@@ -131,6 +189,9 @@ class ClusterEngine(Engine):
         if self.requested_weights is None:
             return [1.0] * self.n_nodes
         weights = list(self.requested_weights)
+        if len(weights) == len(self.addresses) + 1 and len(self.workers) < len(self.addresses):
+            present = {w.address for w in self.workers}  # keep the shares of the nodes still here
+            weights = weights[:1] + [x for a, x in zip(self.addresses, weights[1:]) if a in present]
         if len(weights) != self.n_nodes:
             raise DllamaError(f"--weights has {len(weights)} entries for {self.n_nodes} nodes (root + workers)")
         return weights
@@ -147,7 +208,7 @@ class ClusterEngine(Engine):
 
     async def _send_setup(self, w: WorkerInfo, shard, manifest, bar) -> None:
         setup = {"session": self.session, "rank": w.rank, "world": self.n_nodes,
-                 "addrs": [None] + [[x.host, x.port] for x in self.workers], "algo": self.sync_name,
+                 "addrs": [None] + [list(x.address) for x in self.workers], "algo": self.sync_name,
                  "sync_dtype": self.sync_dtype, "config": self.config.to_dict(), "shard": shard.to_dict(),
                  "ctx_size": self.ctx_size, "spin": self.spin, "manifest": [e.to_dict() for e, _ in manifest]}
         await w.conn.send_msg(P.SETUP, setup)
@@ -169,34 +230,8 @@ class ClusterEngine(Engine):
             raise DllamaError(f"{w.name}: {msg.get('error', 'failed')}")
         return got, msg
 
-    # ------------------------------------------------------------------ steps
-
-    async def _forward(self, tokens, start, params, recent, targets, want_logits):
-        t0 = time.perf_counter()
-        sync0 = self.group.stats
-        x = self.embedding.row_values(np.asarray(tokens))
-        logits = "none" if not want_logits else ("all" if targets is not None else "last")
-        msg = {"start": start, "n": len(tokens), "logits": logits, "params": params.to_dict(),
-               "recent": list(recent), "targets": targets}
-        packed = pack_msg(msg)
-        for w in self.workers:
-            w.conn.write_frame(P.FORWARD, packed)
-            w.conn.write_frame(P.ACTIVATIONS, x)
-        own = await self.step.run(x, start, logits, params, list(recent), targets)
-        replies = await asyncio.gather(*(self._expect(w, P.RESULT) for w in self.workers))
-        per_worker = []
-        for w, (_kind, reply) in zip(self.workers, replies):
-            w.last_stats = reply.get("stats")
-            per_worker.append([LogitSummary.from_wire(s) for s in reply["summaries"]])
-        sync1 = self.group.stats
-        elapsed = time.perf_counter() - t0
-        self.stats.sync_s += sync1.seconds - sync0.seconds
-        self.stats.compute_s += elapsed - (sync1.seconds - sync0.seconds)
-        self.stats.bytes_sent += sync1.bytes_sent - sync0.bytes_sent
-        self.stats.bytes_recv += sync1.bytes_recv - sync0.bytes_recv
-        return [[own[i]] + [ws[i] for ws in per_worker] for i in range(len(own))]
-
-    async def close(self) -> None:
+    async def _teardown(self) -> None:
+        """End the session on every worker (they go back to waiting for a root)."""
         for w in self.workers:
             if w.conn is not None and not w.conn.closed:
                 try:
@@ -207,3 +242,100 @@ class ClusterEngine(Engine):
         if self.group is not None:
             await self.group.close()
             self.group = None
+
+    # ------------------------------------------------------------------ failures
+
+    def _event(self, message: str) -> None:
+        log.warning("%s", message)
+        self.events.append(message)
+
+    async def _recover(self, error: Exception, start: int) -> None:
+        """Re-plan onto the nodes that still answer and rebuild the first `start` tokens of the
+        KV cache, so the failed step can run again."""
+        t0 = time.perf_counter()
+        self._event(f"{error}; re-planning onto the nodes that still answer")
+        await self._teardown()
+        await self._build([w.address for w in self.workers], tolerate_missing=True)
+        # the same forward passes as before, so the rebuilt cache is the one that was lost
+        position = 0
+        for n, one_token in self.segments:
+            if position >= start:
+                break
+            n = min(n, start - position)
+            await self._step(self.context[position:position + n], position, SamplingParams(temperature=0.0), [],
+                             None, False, one_token)
+            position += n
+        self._event(f"recovered in {time.perf_counter() - t0:.1f} s: {self.n_nodes} node(s), "
+                    f"{position} token(s) of context replayed")
+
+    async def on_request(self) -> None:
+        """Before a request: configured workers that are missing may have come back; if any
+        answers, re-plan with them (the next prompt rebuilds the cache)."""
+        present = {w.address for w in self.workers}
+        missing = [a for a in self.addresses if a not in present]
+        if not missing or not self.recover:
+            return
+        back = await asyncio.gather(*(_answers(h, p, self.secret) for h, p in missing))
+        if not any(back):
+            return
+        self._event(f"{sum(back)} worker(s) answer again; re-planning")
+        await self._teardown()
+        await self._build([a for a in self.addresses if a in present or back[missing.index(a)]],
+                          tolerate_missing=True)
+        self.rewind(0)
+        self._event(f"re-planned onto {self.n_nodes} node(s)")
+
+    # ------------------------------------------------------------------ steps
+
+    async def _forward(self, tokens, start, params, recent, targets, want_logits, one_token):
+        attempts = len(self.addresses) + 1  # each failure costs a node, so this bounds the retries
+        failure = None
+        while True:
+            try:
+                if failure is not None:
+                    await self._recover(failure, start)
+                return await self._step(tokens, start, params, recent, targets, want_logits, one_token)
+            except NetworkError as e:
+                attempts -= 1
+                if not self.recover or attempts < 0:
+                    raise
+                failure = e
+
+    async def _step(self, tokens, start, params, recent, targets, want_logits, one_token):
+        t0 = time.perf_counter()
+        sync0 = self.group.stats if self.group is not None else None
+        x = self.embedding.row_values(np.asarray(tokens))
+        logits = "none" if not want_logits else ("all" if targets is not None else "last")
+        packed = pack_msg({"start": start, "n": len(tokens), "logits": logits, "params": params.to_dict(),
+                           "recent": list(recent), "targets": targets, "one_token": one_token})
+        for w in self.workers:
+            w.conn.write_frame(P.FORWARD, packed)
+            w.conn.write_frame(P.ACTIVATIONS, x)
+        own = await self.step.run(x, start, logits, params, list(recent), targets, one_token)
+        replies = await asyncio.gather(*(self._expect(w, P.RESULT) for w in self.workers))
+        per_worker = []
+        for w, (_kind, reply) in zip(self.workers, replies):
+            w.last_stats = reply.get("stats")
+            per_worker.append([LogitSummary.from_wire(s) for s in reply["summaries"]])
+        elapsed = time.perf_counter() - t0
+        if sync0 is not None:
+            sync1 = self.group.stats
+            self.stats.sync_s += sync1.seconds - sync0.seconds
+            self.stats.bytes_sent += sync1.bytes_sent - sync0.bytes_sent
+            self.stats.bytes_recv += sync1.bytes_recv - sync0.bytes_recv
+            elapsed -= sync1.seconds - sync0.seconds
+        self.stats.compute_s += elapsed
+        return [[own[i]] + [ws[i] for ws in per_worker] for i in range(len(own))]
+
+    async def close(self) -> None:
+        await self._teardown()
+
+
+async def _answers(host: str, port: int, secret) -> bool:
+    """Whether a worker completes a handshake now (the probe connection is closed at once)."""
+    try:
+        conn = await connect(host, port, role="control", secret=secret, connect_timeout=2.0)
+    except NetworkError:
+        return False
+    await conn.close()
+    return True

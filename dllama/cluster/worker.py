@@ -58,6 +58,10 @@ class Worker:
         if self.busy:
             log.warning("refused root %s: busy with another root", conn.peer)
             await conn.send_msg(P.FAILED, {"error": "this worker is busy with another root"})
+            try:  # let the root read why before the connection goes
+                await conn.recv_msg(P.END, timeout=1.0)
+            except NetworkError:
+                pass
             await conn.close()
             return
         self.busy = True
@@ -67,11 +71,15 @@ class Worker:
             await session.run()
         except NetworkError as e:
             log.warning("session with root %s ended: %s", conn.peer, e)
-        except DllamaError as e:
-            log.warning("session with root %s failed: %s", conn.peer, e)
+        except Exception as e:  # the root hears why; the daemon lives on for the next root
+            if isinstance(e, DllamaError):
+                log.warning("session with root %s failed: %s", conn.peer, e)
+            else:
+                log.exception("session with root %s failed", conn.peer)
             if not conn.closed:
                 try:
-                    await conn.send_msg(P.FAILED, {"error": str(e)})
+                    await conn.send_msg(P.FAILED, {"error": str(e) if isinstance(e, DllamaError)
+                                                   else f"internal error: {type(e).__name__}: {e}"})
                 except NetworkError:
                     pass
         finally:
@@ -132,7 +140,7 @@ class _Session:
         self.group = await init_process_group(
             msg["rank"], msg["world"], addrs, session=self.session_id, algo=msg["algo"],
             secret=self.worker.secret, timeout=self.worker.timeout, incoming=self.worker.inbox,
-            spin=float(msg.get("spin", 0.0)))
+            spin=msg.get("spin"))
         step.group = self.group
         await conn.send_msg(P.READY, {"rss_mb": rss_mb(), "load_s": time.perf_counter() - t0, "cached": cached})
         log.info("session %s: rank %d of %d, %s sync (%s), ready", self.session_id, msg["rank"], msg["world"],
@@ -180,7 +188,7 @@ class _Session:
             t0 = time.perf_counter()
             params = SamplingParams(**msg["params"])
             summaries = await step.run(x, int(msg["start"]), msg["logits"], params, msg.get("recent") or [],
-                                       msg.get("targets"))
+                                       msg.get("targets"), msg.get("one_token"))
             stats = self.group.stats
             await conn.send_msg(P.RESULT, {
                 "summaries": [s.to_wire() for s in summaries],

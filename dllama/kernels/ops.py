@@ -190,12 +190,11 @@ def _dot_f16(a, a_offset, b, b_offset, n, one_token):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, out):
+def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, one_token, out):
     """Causal attention of the queries at positions start..start+T-1.
     q16 (T, Hq, D), k_cache (Hkv, ctx, D), v_cache_t (Hkv, D, ctx): f16 bits, flattened and
     addressed by offsets (a per-row view would cost an atomic reference count update in the
-    parallel loop); out (T, Hq, D) f32."""
-    one_token = T == 1
+    parallel loop); out (T, Hq, D) f32. one_token: use llama.cpp's single-token summation order."""
     pad = 32 if one_token else 8  # GGML's masked cells add exact zeros past n
     for job in prange(T * Hq):
         t, h = job // Hq, job % Hq
@@ -221,17 +220,20 @@ def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale,
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache_t: np.ndarray, kv_of_head: np.ndarray,
-              start: int) -> np.ndarray:
+              start: int, one_token: bool | None = None) -> np.ndarray:
     """q (T, Hq, D) at positions start.., k_cache (Hkv, ctx, D) and transposed v_cache_t
     (Hkv, D, ctx), both float16, ctx a multiple of 32 -> (T, Hq, D) float32.
-    kv_of_head[h] is the cache head that query head h reads (GQA)."""
+    kv_of_head[h] is the cache head that query head h reads (GQA). one_token (default: T == 1)
+    picks llama.cpp's summation order for one token instead of its batched one; replaying a cache
+    says which order built it."""
     T, Hq, D = q.shape
     if D % 8 or k_cache.shape[1] % 32:
         raise ValueError("head dimension must be a multiple of 8, cache length of 32")
     out = np.empty((T, Hq, D), np.float32)
     scale = np.float32(1.0) / np.sqrt(np.float32(D))
     _attention(q.astype(np.float16).view(np.uint16).reshape(-1), k_cache.view(np.uint16).reshape(-1),
-               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale, out)
+               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale,
+               T == 1 if one_token is None else bool(one_token), out)
     return out
 
 

@@ -146,6 +146,7 @@ class Connection(asyncio.BufferedProtocol):
         self._watch: asyncio.TimerHandle | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
         # state
+        self.on_fail: list = []  # callables(error), run once when the connection fails or closes
         self._error: NetworkError | None = None
         self._bye = False
         self._spin_sock: socket.socket | None = None  # a dup of our socket, for spin_until
@@ -687,6 +688,12 @@ class Connection(asyncio.BufferedProtocol):
         if self._error is None:
             self._error = exc
         exc = self._error
+        callbacks, self.on_fail = self.on_fail, []
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:  # a listener's bug must not stop the failure from spreading
+                pass
         for t in (self._watch, self._hb_timer):
             if t is not None:
                 t.cancel()

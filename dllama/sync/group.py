@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import NetworkError, ProtocolError
+from ..errors import NetworkError, PeerAborted, ProtocolError
 from ..net import ConnectionInbox, Listener, PeerRef, connect
 from ..net import frames as F
 from ..net.connection import DEFAULT_MAX_FRAME
@@ -109,6 +109,12 @@ class ProcessGroup:
         self._calls = 0
         self._seconds = 0.0
         self._base = (0, 0.0, 0, 0)
+        self._closing = False
+        # One lost peer makes the whole group unusable: fail it at once, even if the call now
+        # running waits on another peer (which would otherwise wait for its own timeout).
+        for c in conns:
+            if c is not None:
+                c.on_fail.append(self._connection_failed)
 
     # ------------------------------------------------------------ info
     @property
@@ -170,12 +176,19 @@ class ProcessGroup:
                 if c is not None and not c.flushed:
                     await c.flush()  # the caller may reuse its arrays once we return
         except BaseException as e:
+            lost = self._failed if isinstance(e, PeerAborted) and isinstance(self._failed, NetworkError) else None
             self._fail(e)
+            if lost is not None and lost is not e:
+                raise lost from None  # what really happened, not our own abort of the other peers
             raise
         finally:
             self._busy = False
             self._calls += 1
             self._seconds += time.perf_counter() - t0
+
+    def _connection_failed(self, exc: BaseException) -> None:
+        if not self._closing and self._failed is None:
+            self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         """Give up on the group and tell every peer why (their calls raise PeerAborted)."""
@@ -406,6 +419,7 @@ class ProcessGroup:
     async def close(self) -> None:
         """Close the sync connections (peers' pending calls raise PeerClosed) and the listener
         this group started, if any."""
+        self._closing = True
         await asyncio.gather(*(c.close() for c in self._conns if c is not None), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()

@@ -1,0 +1,88 @@
+"""`dllama serve`: the OpenAI-compatible HTTP API (see dllama/server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import replace
+
+import click
+from click.core import ParameterSource
+
+from .common import cluster_options, info, model_options, open_runtime, run_async, sampling_options
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
+
+
+@click.command()
+@model_options
+@cluster_options
+@sampling_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
+@click.option("--max-queue", type=click.IntRange(0), default=16, show_default=True,
+              help="Requests that may wait while one generates; more get HTTP 429.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=2048, show_default=True,
+              help="Largest max_tokens a request may ask for (HTTP 400 above it).")
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
+              help="Largest request body (HTTP 413 above it).")
+@click.option("--model-name", default=None, help="Model id in /v1/models and responses (default: the GGUF's stem).")
+def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, **opts):
+    """Serve the model over an OpenAI-compatible HTTP API (chat completions, completions, models,
+    /health, /metrics). A request that omits a sampling field gets OpenAI's default (temperature 1,
+    top_p 1) unless the option is given here."""
+    from ..server import ServerConfig
+    from ..server.openai_schema import OPENAI_SAMPLING
+
+    ctx = click.get_current_context()
+    given = {name: opts[name] for name in SAMPLING_FIELDS
+             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+    config = ServerConfig(model_name=model_name, max_queue=max_queue, max_tokens_limit=max_tokens_limit,
+                          max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
+        logging.getLogger(name).setLevel(logging.INFO)
+    run_async(_serve(host, port, config, opts))
+
+
+async def _serve(host, port, config, opts):
+    from ..registry import resolve_model
+    from ..server import attach, bound_port, make_app, start_server
+
+    path = resolve_model(opts.get("model"))
+    opts = {**opts, "model": path}
+    if config.model_name is None:
+        config.model_name = os.path.splitext(os.path.basename(path))[0]
+    # listen first: /health says "loading" (503) while the weights go out to the workers
+    app = make_app(None, config)
+    runner = await start_server(app, host, port)
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError):  # Ctrl-C is asyncio.Runner's; SIGTERM ends cleanly too
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    stopping = asyncio.ensure_future(stop.wait())
+    loading = asyncio.ensure_future(open_runtime(opts))
+    rt = None
+    try:
+        info(f"dllama serve: listening on http://{host}:{bound_port(runner)} (loading {config.model_name})")
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            return
+        rt = loading.result()
+        attach(app, rt)
+        info(f"dllama serve: ready; model id {config.model_name!r}, at most {config.max_queue} queued requests")
+        await stopping
+    finally:
+        if not loading.done():
+            loading.cancel()
+            await asyncio.wait([loading])
+        if rt is None and loading.done() and not loading.cancelled() and loading.exception() is None:
+            rt = loading.result()  # finished loading just as the server was told to stop
+        stopping.cancel()
+        try:
+            await runner.cleanup()  # running requests get a moment, then are cancelled
+        finally:
+            if rt is not None:
+                await rt.close()

@@ -1,0 +1,6 @@
+"""`dllama serve`: an OpenAI-compatible HTTP API (chat completions, completions, models, health,
+Prometheus metrics) in front of an Engine."""
+
+from .app import ServerConfig, attach, bound_port, make_app, start_server
+
+__all__ = ["ServerConfig", "attach", "bound_port", "make_app", "start_server"]

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible HTTP API on aiohttp: routes, the request queue, SSE streaming, errors.
+
+One generation runs at a time (the engine's lock serializes them, in FIFO order); up to
+`max_queue` more wait for it and any beyond get a 429. A client that disconnects cancels its
+request: the server runs with aiohttp's handler cancellation, so the handler (waiting in the
+queue or generating) is cancelled and the Generator stops between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+
+from .. import __version__
+from ..errors import ContextOverflow, DllamaError
+from ..generate import Generation, Generator
+from ..sampling import SamplingParams
+from . import metrics as prom
+from .openai_schema import (OPENAI_SAMPLING, APIError, Envelope, GenerationRequest, bad_request, parse_chat,
+                            parse_completion, usage)
+
+log = logging.getLogger("dllama.server")
+
+SHUTDOWN_TIMEOUT = 3.0  # seconds running requests get to finish when the server stops
+
+
+@dataclass
+class ServerConfig:
+    model_name: str | None = None  # None: the GGUF file's stem
+    max_queue: int = 16  # requests that may wait while one generates
+    max_tokens_limit: int = 2048  # largest max_tokens a request may ask (and the default's cap)
+    max_body_bytes: int = 1 << 20
+    sampling: SamplingParams = field(default_factory=lambda: replace(OPENAI_SAMPLING))  # for omitted fields
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.runtime = None  # None while the model loads
+        self.generator: Generator | None = None
+        self.metrics = prom.Metrics()
+        self.pending = 0  # admitted generation requests: the running one and those waiting
+        self.last_error: str | None = None  # of the last generation, cleared by the next success
+
+    def attach(self, runtime) -> None:
+        """The engine is ready: start answering generation requests."""
+        self.runtime = runtime
+        self.generator = Generator(runtime.engine, runtime.tokenizer)  # the engine knows its KV cache
+        if self.config.model_name is None:
+            self.config.model_name = os.path.splitext(os.path.basename(runtime.model_path))[0]
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def engine(self):
+        return None if self.runtime is None else self.runtime.engine
+
+    def nodes(self) -> list[dict]:
+        """The engine's account of its nodes: {"node": name, "up": bool, "stats": last step's or None}."""
+        if self.engine is None:
+            return []
+        return [{**n, "up": bool(n.get("up"))} for n in self.engine.node_status()]
+
+    def running(self) -> int:
+        return int(self.pending > 0 and self.engine is not None and self.engine.lock.locked())
+
+    def queue_length(self) -> int:
+        return self.pending - self.running()
+
+    def health(self) -> tuple[int, dict]:
+        if self.engine is None:
+            return 503, {"status": "loading", "model": self.config.model_name}
+        nodes = self.nodes()
+        # a worker that is down is no failure while the others carry on (the engine re-plans);
+        # a generation that failed is, until one succeeds (each request first tries to re-admit
+        # missing workers, so requests are still taken)
+        problem = self.last_error
+        engine = self.engine
+        body = {"status": "error" if problem else "ok", "model": self.config.model_name,
+                "nodes": sum(n["up"] for n in nodes),
+                "node_status": {n["node"]: "up" if n["up"] else "down" for n in nodes},
+                "sync": engine.sync_name, "sync_dtype": engine.sync_dtype, "context": engine.ctx_size,
+                "queue_length": self.queue_length(), "running": self.running()}
+        if problem:
+            body["error"] = problem
+        events = getattr(engine, "events", None)
+        if events:
+            body["last_event"] = events[-1]  # the cluster's last failure or recovery
+        return (503 if problem else 200), body
+
+    def require_ready(self):
+        if self.runtime is None:
+            raise APIError(503, "The model is still loading; retry shortly.", type="server_error", code="model_loading")
+        return self.runtime
+
+    # ------------------------------------------------------------------ prompts
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        tokenizer = self.runtime.tokenizer
+        if not tokenizer.has_chat_template:
+            raise bad_request("This model has no chat template; use /v1/completions.", "messages", "no_chat_template")
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except Exception as e:  # jinja2's TemplateError, raise_exception() of the template itself
+            raise bad_request(f"The model's chat template rejected the messages: {e}", "messages") from None
+        return self._checked(tokenizer.encode(text, add_bos=False, special=True), "messages")
+
+    def completion_prompt(self, prompt) -> list[int]:
+        ids = list(prompt) if isinstance(prompt, list) else self.runtime.tokenizer.encode(prompt)
+        return self._checked(ids, "prompt")
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request("The prompt is empty.", param)
+        ctx = self.runtime.engine.ctx_size
+        if len(ids) > ctx:
+            raise bad_request(f"This model's context holds {ctx} tokens; the prompt has {len(ids)}.", param,
+                              "context_length_exceeded")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request, req: GenerationRequest, ids: list[int]) -> web.StreamResponse:
+        config = self.config
+        if self.pending > config.max_queue:  # the running request + max_queue waiting ones
+            raise APIError(429, f"The server is busy: {self.queue_length()} requests are waiting (at most "
+                                f"{config.max_queue}). Retry later.", type="rate_limit_exceeded", code="queue_full")
+        ctx = self.runtime.engine.ctx_size
+        # no max_tokens: until the context is full (the last prompt position still yields one
+        # token), within the server's limit
+        max_tokens = req.max_tokens or min(config.max_tokens_limit, ctx - len(ids) + 1)
+        env = Envelope(req.kind, config.model_name, f"dllama-{__version__}")
+        self.pending += 1
+        try:
+            if req.stream:
+                return await self._stream(request, req, ids, max_tokens, env)
+            gen = await self.generator.generate(ids, req.params, max_tokens, req.stop)
+            self._record(ids, gen)
+            if gen.finish_reason == "error":
+                raise APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
+                               type="server_error", code="engine_error",
+                               extra={"partial_text": gen.text, "completion_tokens": len(gen.tokens)})
+            return web.json_response(env.response(gen.text, gen.finish_reason, self._usage(ids, gen)),
+                                     dumps=_dumps)
+        finally:
+            self.pending -= 1
+
+    async def _stream(self, request, req, ids, max_tokens, env: Envelope) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        pieces: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self.generator.generate(ids, req.params, max_tokens, req.stop, on_text=pieces.put_nowait))
+        task.add_done_callback(lambda _: pieces.put_nowait(None))  # after the last piece
+        usage_field = req.include_usage
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + _dumps(obj).encode() + b"\n\n")
+
+        try:
+            if req.kind == "chat":
+                await send(env.chunk("", role=True, with_usage_field=usage_field))
+            while (piece := await pieces.get()) is not None:
+                await send(env.chunk(piece, with_usage_field=usage_field))
+            try:
+                gen = task.result()
+            except Exception as e:
+                if not isinstance(e, DllamaError):
+                    log.exception("streamed generation failed")
+                await send(_error_event(e))
+                return resp
+            self._record(ids, gen)
+            if gen.finish_reason == "error":
+                await send(APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
+                                    type="server_error", code="engine_error",
+                                    extra={"completion_tokens": len(gen.tokens)}).body())
+                return resp  # no [DONE]: the client sees an error, not a short answer
+            await send(env.chunk(None, gen.finish_reason, with_usage_field=usage_field))
+            if req.include_usage:
+                await send(env.usage_chunk(self._usage(ids, gen)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # the client went away and a write noticed it before aiohttp cancelled this handler
+            log.info("%s %s: client disconnected; generation cancelled", request.method, request.path)
+            raise _ClientGone(resp) from None
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])  # the step in flight completes, then the engine is free
+        return resp
+
+    def _record(self, ids: list[int], gen: Generation) -> None:
+        engine = self.runtime.engine
+        self.metrics.count_generation(len(ids), len(ids) - gen.prefill_tokens, gen, gen.report(engine))
+        if gen.finish_reason == "error":
+            self.last_error = gen.error
+            log.error("generation failed after %d tokens: %s", len(gen.tokens), gen.error)
+        else:
+            self.last_error = None
+
+    @staticmethod
+    def _usage(ids: list[int], gen: Generation) -> dict:
+        return usage(len(ids), len(gen.tokens), len(ids) - gen.prefill_tokens)
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics_text(self) -> str:
+        engine = self.engine
+        nodes = self.nodes()
+        info = {"model": self.config.model_name or "", "version": __version__,
+                "sync": getattr(engine, "sync_name", ""), "sync_dtype": getattr(engine, "sync_dtype", "")}
+        families = self.metrics.families(
+            ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
+            running=self.running(), nodes=nodes, info=info, events=len(getattr(engine, "events", ())),
+            ctx_size=getattr(engine, "ctx_size", 0), kv_cached=getattr(engine, "n_cached", 0))
+        return prom.render(families)
+
+
+SERVER = web.AppKey("dllama_server", ServerState)
+
+
+class _ClientGone(Exception):
+    """A streaming client disconnected: nothing more to send, count it as 499."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("client disconnected")
+        self.response = response
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error_event(e: Exception) -> dict:
+    if isinstance(e, ContextOverflow):
+        return bad_request(str(e), code="context_length_exceeded").body()
+    if isinstance(e, DllamaError):
+        return APIError(500, str(e), type="server_error", code="engine_error").body()
+    return APIError(500, "Internal server error (see the server's log).", type="server_error").body()
+
+
+def _json_error(err: APIError) -> web.Response:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return web.json_response(err.body(), status=err.status, headers=headers, dumps=_dumps)
+
+
+async def _read_json(request: web.Request, limit: int):
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(request.content_length, limit)
+    try:
+        raw = await request.read()  # aiohttp stops at client_max_size (a chunked body has no length)
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(None, limit) from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    what = f" ({size} bytes)" if size is not None else ""
+    return APIError(413, f"The request body is too large{what}; this server accepts at most {limit} bytes.",
+                    code="request_too_large")
+
+
+# ------------------------------------------------------------------ routes
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    body = await _read_json(request, state.config.max_body_bytes)
+    state.require_ready()
+    req = parse_chat(body, state.config.sampling, state.config.max_tokens_limit)
+    return await state.generate(request, req, state.chat_prompt(req.messages))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    body = await _read_json(request, state.config.max_body_bytes)
+    rt = state.require_ready()
+    req = parse_completion(body, state.config.sampling, state.config.max_tokens_limit, rt.tokenizer.vocab_size)
+    return await state.generate(request, req, state.completion_prompt(req.prompt))
+
+
+def _model_card(state: ServerState) -> dict:
+    created = 0
+    if state.runtime is not None:
+        try:
+            created = int(os.path.getmtime(state.runtime.model_path))
+        except OSError:
+            pass
+    return {"id": state.config.model_name, "object": "model", "created": created, "owned_by": "dllama"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[SERVER]
+    return web.json_response({"object": "list", "data": [_model_card(state)]}, dumps=_dumps)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[SERVER]
+    name = request.match_info["model"]
+    if name != state.config.model_name:
+        raise APIError(404, f"The model '{name}' does not exist; this server runs '{state.config.model_name}'.",
+                       param="model", code="model_not_found")
+    return web.json_response(_model_card(state), dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    status, body = request.app[SERVER].health()
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[SERVER].metrics_text()
+    return web.Response(body=text.encode(), headers={"Content-Type": prom.CONTENT_TYPE})
+
+
+@web.middleware
+async def _errors_and_counts(request: web.Request, handler):
+    """Every error becomes OpenAI's JSON error body (never a traceback); every request is counted."""
+    state = request.app[SERVER]
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "other"
+    status: int | str = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except _ClientGone as e:
+        status = 499
+        return e.response
+    except APIError as e:
+        status = e.status
+        if e.status >= 500:
+            log.warning("%s %s: %d %s", request.method, request.path, e.status, e.message)
+        return _json_error(e)
+    except web.HTTPException as e:  # aiohttp's own: unknown URL, wrong method, oversized body
+        status = e.status
+        if e.status == 404:
+            message, code = f"Unknown request URL: {request.method} {request.path}.", "unknown_url"
+        elif e.status == 405:
+            message, code = f"Method {request.method} is not allowed on {request.path}.", "method_not_allowed"
+        elif e.status == 413:
+            return _json_error(_too_large(None, state.config.max_body_bytes))
+        else:
+            message, code = e.reason, None
+        if e.status < 400:
+            raise
+        return _json_error(APIError(e.status, message, code=code))
+    except asyncio.CancelledError:
+        status = 499  # the client went away (aiohttp cancels its handler), or the server stops
+        log.info("%s %s: cancelled (client disconnected)", request.method, request.path)
+        raise
+    except ContextOverflow as e:
+        status = 400
+        return _json_error(bad_request(str(e), code="context_length_exceeded"))
+    except DllamaError as e:
+        log.error("%s %s: %s", request.method, request.path, e)
+        return _json_error(APIError(500, str(e), type="server_error", code="engine_error"))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _json_error(APIError(500, "Internal server error (see the server's log).", type="server_error"))
+    finally:
+        state.metrics.count_request(endpoint, status)
+
+
+def make_app(runtime, config: ServerConfig | None = None) -> web.Application:
+    """The API as an aiohttp application. `runtime` (a cli.common.Runtime) may be None: the server
+    then answers 503 until `attach(app, runtime)`. Serve it with `start_server` (or any aiohttp
+    runner with handler_cancellation=True, so that a client that disconnects cancels its request)."""
+    config = config or ServerConfig()
+    state = ServerState(config)
+    if runtime is not None:
+        state.attach(runtime)
+    # the limit is enforced again in _read_json with an OpenAI-style 413
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_counts])
+    app[SERVER] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def attach(app: web.Application, runtime) -> None:
+    app[SERVER].attach(runtime)
+
+
+async def start_server(app: web.Application, host: str, port: int, *, access_log: bool = True) -> web.AppRunner:
+    """Listen on host:port (0: a free port; see `bound_port`). Stop with `await runner.cleanup()`."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT,
+                           access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return runner.addresses[0][1]

@@ -1,0 +1,211 @@
+"""The cluster through the real CLI and real worker processes: reports, errors, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from .cluster_helpers import DLLAMA, WorkerProcess, run_dllama
+
+PROMPT = "The old lighthouse keeper climbed the stairs and"
+GREEDY_F64 = ["--temperature", "0", "--sync-dtype", "f64", "--threads", "1"]
+
+
+def json_report(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def one_node_answer():
+    """1-node greedy answer in f64 mode: what every cluster in f64 mode must reproduce."""
+    return json_report(run_dllama("inference", "-p", PROMPT, "-n", "48", *GREEDY_F64, "--json"))
+
+
+@pytest.fixture(scope="module")
+def one_node_tokens(one_node_answer):
+    return one_node_answer["tokens"]
+
+
+@pytest.fixture
+def workers(request):
+    started: list[WorkerProcess] = []
+
+    def start(n: int, *args: str) -> list[WorkerProcess]:
+        new = [WorkerProcess("--no-cache", *args) for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def test_local_workers_report(one_node_tokens):
+    r = json_report(run_dllama("inference", "-p", PROMPT, "-n", "48", *GREEDY_F64, "--local-workers", "2",
+                               "--sync", "ring", "--json"))
+    assert r["nodes"] == 3 and r["sync"] == "ring" and r["sync_dtype"] == "f64"
+    assert r["tokens"] == one_node_tokens
+    # ring all-reduce: each node sends 2(p-1)/p of the vector per all-reduce, 2 per layer
+    # (30 layers, dim 576, 8-byte values), plus 16-byte frame headers
+    payload = 2 * 30 * 2 * (3 - 1) / 3 * 576 * 8
+    assert payload <= r["bytes_per_token"]["sent"] <= payload * 1.05
+    assert r["ms_per_token"]["sync"] > 0 and r["ms_per_token"]["compute"] > 0
+
+
+def test_unreachable_worker_is_one_line():
+    t0 = time.monotonic()
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", "127.0.0.1:1")
+    one_error_line(r, "127.0.0.1:1", "refused")
+    assert time.monotonic() - t0 < 30
+
+
+def test_worker_on_another_protocol_version():
+    from dllama.net.frames import CHALLENGE, HEADER, MAGIC, PROTOCOL_VERSION
+
+    ready = threading.Event()
+    port = []
+
+    def serve():
+        async def newer(reader, writer):
+            await reader.readexactly(16)
+            body = b"\x81\xa5proto\x02"  # msgpack {"proto": 2}
+            writer.write(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, CHALLENGE.code, 0, 0, len(body)) + body)
+            await writer.drain()
+            await asyncio.sleep(2)
+            writer.close()
+
+        async def main():
+            server = await asyncio.start_server(newer, "127.0.0.1", 0)
+            port.append(server.sockets[0].getsockname()[1])
+            ready.set()
+            await asyncio.sleep(30)
+
+        asyncio.run(main())
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert ready.wait(10)
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", f"127.0.0.1:{port[0]}")
+    one_error_line(r, f"127.0.0.1:{port[0]}", "version 2")
+
+
+def test_wrong_secret_is_refused(workers):
+    (w,) = workers(1, "--secret", "right")
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", w.address, "--secret", "wrong")
+    one_error_line(r, w.address, "authentication failed")
+
+
+def test_model_too_big_for_the_plan(workers):
+    (w,) = workers(1, "--max-memory", "10")
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", w.address)
+    one_error_line(r, "model too big for the plan", w.address, "10 MB")
+
+
+def _run_and_signal(workers_, extra: list[str], sig, after_text: int = 40, steps: int = 160):
+    """Start an inference across the workers, send `sig` to the second worker once some text
+    has streamed, and return (completed process, seconds from the signal to the exit)."""
+    addresses = ",".join(w.address for w in workers_)
+    # unbuffered bytes: what we read before the signal must not sit in a reader's buffer that
+    # communicate() would bypass
+    proc = subprocess.Popen(DLLAMA + ["inference", "-p", PROMPT, "-n", str(steps), *GREEDY_F64,
+                                      "--workers", addresses, "--sync", "ring", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    streamed = b""
+    while len(streamed) < len(PROMPT) + after_text:  # the prompt is echoed first
+        byte = proc.stdout.read(1)
+        assert byte, proc.stderr.read()
+        streamed += byte
+    workers_[1].kill(sig)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    return (subprocess.CompletedProcess(proc.args, proc.returncode, (streamed + out).decode(), err.decode()),
+            time.monotonic() - t0)
+
+
+def test_worker_killed_mid_answer_without_recovery_keeps_the_text(workers):
+    ws = workers(3)
+    r, seconds = _run_and_signal(ws, ["--no-recover"], signal.SIGKILL)
+    line = one_error_line(r, ws[1].address)
+    assert re.search(r"after \d+ generated tokens", line)
+    assert r.stdout.startswith(PROMPT) and len(r.stdout) > len(PROMPT) + 40  # the text so far is kept
+    assert seconds < 5
+    # the survivors are ready for the next root
+    again = run_dllama("inference", "-p", "hi", "-n", "4", "--temperature", "0", "--threads", "1",
+                       "--workers", f"{ws[0].address},{ws[2].address}", "--json")
+    assert json_report(again)["nodes"] == 3
+
+
+def test_worker_killed_mid_answer_is_recovered(workers, one_node_answer):
+    ws = workers(3)
+    r, _ = _run_and_signal(ws, ["--timeout", "5"], signal.SIGKILL, after_text=20, steps=48)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPT + one_node_answer["text"] + "\n"  # the answer of a run without failure
+    assert "re-planning" in r.stderr and re.search(r"recovered in [\d.]+ s: 3 node", r.stderr), r.stderr
+
+
+def test_worker_stopped_mid_answer_is_recovered_after_the_timeout(workers, one_node_answer):
+    ws = workers(3)
+    try:
+        r, seconds = _run_and_signal(ws, ["--timeout", "3"], signal.SIGSTOP, after_text=20, steps=48)
+    finally:
+        ws[1].kill(signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPT + one_node_answer["text"] + "\n"
+    assert "sent nothing for 3 s" in r.stderr, r.stderr
+    assert re.search(r"recovered in [\d.]+ s: 3 node", r.stderr), r.stderr
+    assert seconds >= 3
+
+
+def test_a_killed_root_frees_its_workers(workers):
+    ws = workers(2)
+    proc = subprocess.Popen(DLLAMA + ["inference", "-p", PROMPT, "-n", "400", "--threads", "1",
+                                      "--workers", ",".join(w.address for w in ws)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+    assert proc.stdout.read(len(PROMPT) + 10)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run_dllama("inference", "-p", "hi", "-n", "4", "--threads", "1", "--workers",
+                   ",".join(w.address for w in ws), "--json")
+    assert json_report(r)["nodes"] == 3
+
+
+def test_uneven_and_measured_weights_give_the_same_answer(workers, one_node_tokens):
+    ws = workers(2)
+    addresses = ",".join(w.address for w in ws)
+    for weights in ("2,1,1", "auto"):
+        r = json_report(run_dllama("inference", "-p", PROMPT, "-n", "48", *GREEDY_F64, "--workers", addresses,
+                                   "--weights", weights, "--json"))
+        assert r["tokens"] == one_node_tokens
+    one_error_line(run_dllama("inference", "-p", "hi", "-n", "2", "--workers", addresses, "--weights", "1,1"),
+                   "--weights has 2 entries for 3 nodes")
+
+
+def test_chat_and_perplexity_across_nodes():
+    chat = run_dllama("chat", "--local-workers", "2", "--temperature", "0", "--max-tokens", "24",
+                      input="What is the capital of France?\nAnd of Italy?\n")
+    assert chat.returncode == 0, chat.stderr
+    answers = [line for line in chat.stdout.splitlines() if line.strip()]
+    assert len(answers) >= 2 and "Paris" in chat.stdout
+    one = json_report(run_dllama("perplexity", "-f", "tests/data/lighthouse.txt", "--max-tokens", "96",
+                                 "--sync-dtype", "f64", "--json"))
+    three = json_report(run_dllama("perplexity", "-f", "tests/data/lighthouse.txt", "--max-tokens", "96",
+                                   "--sync-dtype", "f64", "--local-workers", "2", "--json"))
+    assert three["nodes"] == 3 and three["tokens"] == one["tokens"] == 95
+    assert three["perplexity"] == pytest.approx(one["perplexity"], rel=1e-9)
