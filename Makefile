@@ -1,4 +1,4 @@
-# From a fresh clone:  make chat  (install, fetch the default model, chat across local nodes)
+# From a fresh clone:  make chat  (install, fetch the default model, chat across 3 local nodes)
 #                      make test  (install, fetch the default model, run the test suite)
 PYTHON ?= python3
 VENV   := .venv
@@ -21,7 +21,7 @@ model: install
 	$(BIN)/dllama models pull --quiet
 
 chat: model
-	$(BIN)/dllama chat
+	$(BIN)/dllama chat --local-workers 2
 
 test: model
 	$(BIN)/python -m pytest -q

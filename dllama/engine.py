@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from .config import ModelConfig
@@ -48,6 +50,8 @@ class Engine:
     n_nodes: int = 1
     sync_name: str = "none"
     sync_dtype: str = "f32"
+
+    failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
 
     def __init__(self):
         self.context: list[int] = []  # the tokens in the KV cache, in order
@@ -113,6 +117,16 @@ class Engine:
         pass
 
 
+def _run_to_end(coroutine):
+    """Run a coroutine that never suspends (a forward pass without a network all-reduce)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a local forward pass tried to wait on something")
+
+
 class LocalEngine(Engine):
     """The whole model in this process: one shard holding everything."""
 
@@ -126,11 +140,24 @@ class LocalEngine(Engine):
         self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
                                 wide_partials=sync_dtype == "f64")
         self.ctx_size = self.model.ctx_size
+        # numba's thread count is per calling thread: hand ours (set_threads) to the compute thread
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="dllama-compute",
+                                           initializer=numba.set_num_threads, initargs=(numba.get_num_threads(),))
 
     async def _forward(self, tokens, start, params, recent, targets, want_logits, one_token):
+        # in a thread, so that the event loop (an API server's health checks, a client's
+        # disconnect) stays responsive during a long step; the kernels release the GIL. Always
+        # the same thread: OpenMP keeps a team of workers per calling thread.
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compute, self._forward_sync, tokens, start, params, recent, targets, want_logits, one_token)
+
+    async def close(self) -> None:
+        self._compute.shutdown(wait=False)
+
+    def _forward_sync(self, tokens, start, params, recent, targets, want_logits, one_token):
         t0 = time.perf_counter()
         x = self.embedding.row_values(np.asarray(tokens))
-        h = await self.model.forward(x, start, one_token=one_token)
+        h = _run_to_end(self.model.forward(x, start, one_token=one_token))
         summaries = []
         if want_logits:
             rows = h if targets is not None else h[-1:]

@@ -75,7 +75,6 @@ class Generator:
         lock). Cancelling the caller (a client that went away) stops the generation between two
         steps: a step in flight always completes, so every node stays in step."""
         async with self.engine.lock:
-            await self.engine.on_request()
             return await self._generate(prompt, params, max_tokens, stop, on_text)
 
     async def _generate(self, prompt, params, max_tokens, stop, on_text) -> Generation:
@@ -83,6 +82,10 @@ class Generator:
             raise DllamaError("the prompt is empty")
         if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
+        try:
+            await self.engine.on_request()
+        except DllamaError as e:
+            return Generation("", [], len(prompt), "error", error=str(e))
         reused = _common_prefix(self.engine.context, prompt)
         reused = min(reused, len(prompt) - 1)  # at least one token must run to produce logits
         self.engine.rewind(reused)

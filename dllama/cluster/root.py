@@ -34,6 +34,7 @@ from .slices import make_entry, tensor_bytes
 log = logging.getLogger("dllama.root")
 
 BUSY_RETRY_S = 0.1  # a worker still closing its previous session answers "busy" for a moment
+REJOIN_PROBE_EVERY_S = 10.0  # how often requests look for missing workers (each look may wait 1 s)
 
 
 @dataclass
@@ -94,6 +95,8 @@ class ClusterEngine(Engine):
         self.step: NodeStep | None = None
         self.session = ""
         self.events: list[str] = []  # failures and recoveries, for logs and /metrics
+        self.failed: str | None = None  # set when a failure could not be recovered from
+        self._last_probe = 0.0
 
     @property
     def n_nodes(self) -> int:
@@ -273,8 +276,9 @@ class ClusterEngine(Engine):
         answers, re-plan with them (the next prompt rebuilds the cache)."""
         present = {w.address for w in self.workers}
         missing = [a for a in self.addresses if a not in present]
-        if not missing or not self.recover:
+        if not missing or not self.recover or time.monotonic() - self._last_probe < REJOIN_PROBE_EVERY_S:
             return
+        self._last_probe = time.monotonic()
         back = await asyncio.gather(*(_answers(h, p, self.secret) for h, p in missing))
         if not any(back):
             return
@@ -298,6 +302,7 @@ class ClusterEngine(Engine):
             except NetworkError as e:
                 attempts -= 1
                 if not self.recover or attempts < 0:
+                    self.failed = str(e)
                     raise
                 failure = e
 
@@ -334,7 +339,7 @@ class ClusterEngine(Engine):
 async def _answers(host: str, port: int, secret) -> bool:
     """Whether a worker completes a handshake now (the probe connection is closed at once)."""
     try:
-        conn = await connect(host, port, role="control", secret=secret, connect_timeout=2.0)
+        conn = await connect(host, port, role="control", secret=secret, connect_timeout=1.0)
     except NetworkError:
         return False
     await conn.close()

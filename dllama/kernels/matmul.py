@@ -89,16 +89,17 @@ _Q4_0, _Q4_1, _Q8_0 = 0, 1, 2
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_quant(w, fmt, xq, xd, xds, out):
+def _mm_quant(w, fmt, wide, xq, xd, xds, out):
+    """Quantized weights; wide: the float64-accumulating dot products (out is float64)."""
     T = xq.shape[0]
     for r in prange(w.shape[0]):
         for t in range(T):
             if fmt == _Q4_1:
-                out[t, r] = dot_q4_1_q8(w, r, xq, xd, xds, t)
+                out[t, r] = dot_q4_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_1_q8(w, r, xq, xd, xds, t)
             elif fmt == _Q4_0:
-                out[t, r] = dot_q4_0_q8(w, r, xq, xd, xds, t)
+                out[t, r] = dot_q4_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_0_q8(w, r, xq, xd, xds, t)
             else:
-                out[t, r] = dot_q8_0_q8(w, r, xq, xd, xds, t)
+                out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -125,19 +126,6 @@ def _mm_f32(w, x, out):
             for c in range(cols):
                 acc += w[r, c] * x[t, c]
             out[t, r] = acc
-
-
-@njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_quant_wide(w, fmt, xq, xd, xds, out):
-    T = xq.shape[0]
-    for r in prange(w.shape[0]):
-        for t in range(T):
-            if fmt == _Q4_1:
-                out[t, r] = dot_q4_1_q8_wide(w, r, xq, xd, xds, t)
-            elif fmt == _Q4_0:
-                out[t, r] = dot_q4_0_q8_wide(w, r, xq, xd, xds, t)
-            else:
-                out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -203,19 +191,17 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
         x = Activations(x)
     if out is None:
         out = np.empty((x.x.shape[0], w.shape[0]), np.float64 if wide else np.float32)
+    if qtype in _QUANT_KERNEL:
+        a = x.q8
+        _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)
+        return out
     if wide:
-        if qtype in _QUANT_KERNEL:
-            a = x.q8
-            _mm_quant_wide(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
-        elif qtype == QType.F16:
+        if qtype == QType.F16:
             _mm_f16_wide(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)
         else:
             _mm_f32_wide(w, x.x, out)
         return out
-    if qtype in _QUANT_KERNEL:
-        a = x.q8
-        _mm_quant(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
-    elif qtype == QType.F16:
+    if qtype == QType.F16:
         _mm_f16(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)
     elif qtype == QType.F32:
         _mm_f32(w, x.x, out)

@@ -1,0 +1,167 @@
+"""Helpers for the API server tests: the server's event loop in a thread (so tests drive it over
+real sockets with ordinary blocking clients), raw SSE reading, Prometheus parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dllama.net.loop import new_event_loop
+from dllama.server import bound_port, start_server
+
+
+class ServerThread:
+    """An event loop on its own thread that hosts the runtime and any number of apps."""
+
+    def __init__(self):
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="api-server", daemon=True)
+        self.thread.start()
+        self.runners = []
+
+    def run(self, coro, timeout: float | None = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app) -> str:
+        """Serve app on a free loopback port; returns its base URL."""
+        runner = self.run(start_server(app, "127.0.0.1", 0, access_log=False))
+        self.runners.append(runner)
+        return f"http://127.0.0.1:{bound_port(runner)}"
+
+    @contextlib.contextmanager
+    def holding(self, lock: asyncio.Lock):
+        """Hold an asyncio lock of the server's loop (the engine's: as if a generation ran)."""
+        acquired = threading.Event()
+        release = self.run(_make_event())
+
+        async def hold():
+            async with lock:
+                acquired.set()
+                await release.wait()
+
+        done = asyncio.run_coroutine_threadsafe(hold(), self.loop)
+        assert acquired.wait(30)
+        try:
+            yield
+        finally:
+            self.loop.call_soon_threadsafe(release.set)
+            done.result(30)
+
+    def close(self, *closers) -> None:
+        for runner in self.runners:
+            self.run(runner.cleanup())
+        for closer in closers:
+            self.run(closer())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def post(base_url: str, path: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict, dict]:
+    """POST raw bytes (or a JSON object) without any client-side checks: (status, headers, JSON)."""
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
+    try:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def get(base_url: str, path: str, timeout: float = 30) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+class RawStream:
+    """A streaming request read event by event, that can hang up at any point."""
+
+    def __init__(self, base_url: str, path: str, body: dict, timeout: float = 120):
+        self.conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
+        self.conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+
+    def events(self):
+        """The data of each SSE event ("[DONE]" as a string, the rest parsed)."""
+        data = []
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return
+            line = line.decode().rstrip("\r\n")
+            if line.startswith("data: "):
+                data.append(line[len("data: "):])
+            elif line == "" and data:
+                text = "\n".join(data)
+                data = []
+                yield text if text == "[DONE]" else json.loads(text)
+
+    def hang_up(self) -> None:
+        self.conn.sock.close()  # what a client that goes away does: no more reads, FIN
+        self.conn.close()
+
+
+def metrics(base_url: str) -> dict:
+    """{(name, ((label, value), ...)): value} from /metrics, parsed by prometheus_client."""
+    status, text = get(base_url, "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> tuple[re.Match | None, str]:
+    """Read proc's stderr line by line until a line matches (or it ends / time runs out)."""
+    seen = []
+    found = []
+
+    def reader():
+        for line in proc.stderr:
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                found.append(m)
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout)
+    return (found[0] if found else None), "".join(seen)
+
+
+def children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [int(p) for p in f.read().split()]
