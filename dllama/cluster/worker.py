@@ -42,6 +42,7 @@ class Worker:
         self.inbox = ConnectionInbox()
         self.listener = Listener(self._on_connection, secret=secret, timeout=timeout, heartbeat=timeout / 4)
         self.busy = False
+        self.session_id: str | None = None  # the session being served: its peers may connect
         self.sessions_served = 0
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
@@ -53,6 +54,11 @@ class Worker:
 
     async def _on_connection(self, conn, hello) -> None:
         if hello.role == "peer":
+            # only peers of the session in progress are parked for its group: a connection that
+            # claims another session would wait in the inbox for ever
+            if self.session_id is None or hello.session != self.session_id:
+                await conn.close()
+                return
             self.inbox.put(conn, hello)
             return
         if self.busy:
@@ -104,6 +110,7 @@ class _Session:
         self.session_id = ""
 
     async def close(self) -> None:
+        self.worker.session_id = None
         if self.group is not None:
             await self.group.close()
             self.group = None
@@ -149,7 +156,7 @@ class _Session:
 
     async def _load(self, setup: dict) -> tuple[NodeStep, int]:
         conn = self.conn
-        self.session_id = str(setup["session"])
+        self.session_id = self.worker.session_id = str(setup["session"])
         config = ModelConfig.from_dict(setup["config"])
         shard = Shard.from_dict(setup["shard"])
         entries = [TensorEntry.from_dict(e) for e in setup["manifest"]]
