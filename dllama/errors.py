@@ -57,7 +57,12 @@ class MalformedFrame(ProtocolError):
 
 
 class PeerClosed(PeerError):
-    """The peer closed the connection or died (EOF / reset) while we still needed it."""
+    """The peer closed the connection or died (EOF / reset) while we still needed it.
+    `orderly`: it said goodbye first (a clean shutdown, not a crash)."""
+
+    def __init__(self, message: str, peer=None, orderly: bool = False):
+        super().__init__(message, peer)
+        self.orderly = orderly
 
 
 class PeerTimeout(PeerError):

@@ -118,9 +118,9 @@ def test_model_too_big_for_the_plan(workers):
     one_error_line(r, "model too big for the plan", w.address, "10 MB")
 
 
-def _run_and_signal(workers_, extra: list[str], sig, after_text: int = 40, steps: int = 160):
-    """Start an inference across the workers, send `sig` to the second worker once some text
-    has streamed, and return (completed process, seconds from the signal to the exit)."""
+def _run_and_signal(workers_, extra: list[str], sig, after_text: int = 40, steps: int = 160, victim: int = 1):
+    """Start an inference across the workers, send `sig` to workers_[victim] once some text has
+    streamed, and return (completed process, seconds from the signal to the exit)."""
     addresses = ",".join(w.address for w in workers_)
     # unbuffered bytes: what we read before the signal must not sit in a reader's buffer that
     # communicate() would bypass
@@ -132,7 +132,7 @@ def _run_and_signal(workers_, extra: list[str], sig, after_text: int = 40, steps
         byte = proc.stdout.read(1)
         assert byte, proc.stderr.read()
         streamed += byte
-    workers_[1].kill(sig)
+    workers_[victim].kill(sig)
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=120)
     return (subprocess.CompletedProcess(proc.args, proc.returncode, (streamed + out).decode(), err.decode()),
@@ -209,3 +209,11 @@ def test_chat_and_perplexity_across_nodes():
                                    "--sync-dtype", "f64", "--local-workers", "2", "--json"))
     assert three["nodes"] == 3 and three["tokens"] == one["tokens"] == 95
     assert three["perplexity"] == pytest.approx(one["perplexity"], rel=1e-9)
+
+
+def test_root_carries_on_alone_when_its_only_worker_dies(workers, one_node_answer):
+    ws = workers(1)
+    r, _ = _run_and_signal(ws, ["--timeout", "5"], signal.SIGKILL, after_text=20, steps=48, victim=0)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPT + one_node_answer["text"] + "\n"
+    assert re.search(r"recovered in [\d.]+ s: 1 node", r.stderr), r.stderr

@@ -96,3 +96,24 @@ async def test_compressed_sync_stays_close_to_one_node(gguf_model, one_node_f32_
     assert agree >= 0.88
     assert dlogp < 0.15
     assert abs(ppl[0] / ppl[1] - 1) < 0.03
+
+
+async def test_slice_cache_spares_a_restarted_worker_its_weights(gguf_model, tokenizer, one_node_reference, tmp_path):
+    """A worker that restarts with its cache is sent nothing; a damaged cached slice is resent."""
+    from dllama.model import shard_tensors
+
+    ref_tokens = one_node_reference[0]
+    cache = [tmp_path / "worker-cache"]
+    async with in_process_cluster(gguf_model, 1, cache_dirs=cache) as (engine, _):
+        assert engine.workers[0].ready["cached"] == 0
+        n_tensors = len(list(shard_tensors(gguf_model, engine.plan.shards[1])))
+    files = sorted(cache[0].glob("*.bin"))
+    assert len(files) == n_tensors
+    with open(files[0], "r+b") as f:  # flip one byte of one cached slice
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    async with in_process_cluster(gguf_model, 1, cache_dirs=cache) as (engine, _):
+        assert engine.workers[0].ready["cached"] == n_tensors - 1
+        gen = await Generator(engine, tokenizer).generate(tokenizer.encode(PROMPT), GREEDY, N_TOKENS)
+    assert gen.tokens == ref_tokens

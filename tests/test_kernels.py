@@ -346,3 +346,13 @@ def test_attention_rejects_unaligned_shapes():
     q = np.zeros((1, 2, 64), np.float32)
     with pytest.raises(ValueError):
         attention(q, np.zeros((1, 12, 64), np.float16), np.zeros((1, 64, 12), np.float16), np.zeros(2, np.int64), 0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 300])
+def test_softmax_equals_reference(n):
+    from dllama.kernels.ops import softmax, softmax_ref
+
+    x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32) * 5
+    got = softmax(x)
+    assert np.allclose(got, softmax_ref(x), rtol=1e-5, atol=1e-7)
+    assert np.allclose(got.sum(axis=-1), 1.0, atol=1e-5)

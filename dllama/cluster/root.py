@@ -233,8 +233,11 @@ class ClusterEngine(Engine):
             raise DllamaError(f"{w.name}: {msg.get('error', 'failed')}")
         return got, msg
 
-    async def _teardown(self) -> None:
-        """End the session on every worker (they go back to waiting for a root)."""
+    async def _teardown(self, reason: str | None = None) -> None:
+        """End the session on every worker (they go back to waiting for a root). With a reason
+        (a failure), the sync group is aborted first: a worker blocked on a dead peer gives up now."""
+        if reason is not None and self.group is not None:
+            self.group.abort(reason)
         for w in self.workers:
             if w.conn is not None and not w.conn.closed:
                 try:
@@ -257,7 +260,7 @@ class ClusterEngine(Engine):
         KV cache, so the failed step can run again."""
         t0 = time.perf_counter()
         self._event(f"{error}; re-planning onto the nodes that still answer")
-        await self._teardown()
+        await self._teardown(reason=f"the root re-plans after: {error}")
         await self._build([w.address for w in self.workers], tolerate_missing=True)
         # the same forward passes as before, so the rebuilt cache is the one that was lost
         position = 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .slices import TensorEntry
+from .slices import TensorEntry, checksum
 
 
 def default_cache_dir() -> Path:
@@ -40,6 +40,17 @@ class SliceCache:
         if entry.nbytes == 0:
             return np.zeros(0, np.uint8)
         return np.memmap(self._path(entry), dtype=np.uint8, mode="r")
+
+    def load_verified(self, entry: TensorEntry) -> np.ndarray | None:
+        """The cached bytes of entry, or None if absent or damaged (a damaged file is removed)."""
+        if not self.has(entry):
+            return None
+        raw = self.load(entry)
+        if checksum(raw) == entry.sha256:
+            return raw
+        del raw
+        self._path(entry).unlink(missing_ok=True)
+        return None
 
     def store(self, entry: TensorEntry, raw: np.ndarray) -> None:
         if self.dir is None or self.has(entry):

@@ -164,12 +164,13 @@ class _Session:
         if self.worker.max_memory is not None and need > self.worker.max_memory:
             raise DllamaError(f"the slice needs {need / 1e6:.0f} MB, more than this worker's --max-memory "
                               f"{self.worker.max_memory / 1e6:.0f} MB")
-        missing = [e for e in entries if not self.worker.cache.has(e)]
-        await conn.send_msg(P.NEED, {"names": [e.name for e in missing]})
         tensors = {}
-        for e in entries:
-            if self.worker.cache.has(e):
-                tensors[e.name] = from_bytes(e, self.worker.cache.load(e))
+        for e in entries:  # a cached slice is used only if its bytes still match its checksum
+            cached = self.worker.cache.load_verified(e)
+            if cached is not None:
+                tensors[e.name] = from_bytes(e, cached)
+        missing = [e for e in entries if e.name not in tensors]
+        await conn.send_msg(P.NEED, {"names": [e.name for e in missing]})
         for e in missing:
             raw = np.empty(e.nbytes, np.uint8)
             for start, stop in P.chunks(e.nbytes):

@@ -173,6 +173,51 @@ def silu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
 
 
+# ------------------------------------------------------------------ softmax
+
+
+@njit(nogil=True, cache=CACHE, inline="always")
+def _softmax_row(x, n):
+    """softmax of x[:n] in place, as GGML's soft_max over a row that masked (-inf) entries pad to
+    a multiple of 8: exp by its polynomial, then 8-lane group sums added in float64. x[n:] up to
+    the next multiple of 8 must be zeros (what the masked entries' exp gives)."""
+    top = -np.inf
+    for i in range(n):
+        top = max(top, x[i])
+    for i in range(n):
+        x[i] = expf(x[i] - top)
+    total = 0.0
+    for g in range(0, n, 8):
+        total += hsum8(x, g)
+    inv = np.float32(1.0 / total)
+    for i in range(n):
+        x[i] = x[i] * inv
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _softmax(x, out):
+    T, n = x.shape
+    for t in prange(T):
+        row = np.zeros((n + 7) // 8 * 8, np.float32)
+        row[:n] = x[t]
+        _softmax_row(row, n)
+        out[t] = row[:n]
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of x (T, n) float32, computed as the attention computes it."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _softmax(x, out)
+    return out
+
+
+def softmax_ref(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
 # ------------------------------------------------------------------ attention
 
 
@@ -202,19 +247,12 @@ def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale,
         n = start + t + 1
         n_pad = min((n + pad - 1) // pad * pad, ctx)
         weights = np.zeros(n_pad, np.float32)
-        top = -np.inf
         for s in range(n):
             weights[s] = _dot_f16(k_cache, (kv * ctx + s) * D, q16, (t * Hq + h) * D, D, one_token) * scale
-            top = max(top, weights[s])
-        for s in range(n):
-            weights[s] = expf(weights[s] - top)
-        total = 0.0
-        for g in range(0, n_pad, 8):
-            total += hsum8(weights, g)
-        inv = np.float32(1.0 / total)
+        _softmax_row(weights, n)
         probs16 = np.zeros(n_pad, np.uint16)
         for s in range(n):
-            probs16[s] = f16_bits(weights[s] * inv)
+            probs16[s] = f16_bits(weights[s])
         for d in range(D):
             out[t, h, d] = _dot_f16(v_cache_t, (kv * D + d) * ctx, probs16, 0, n_pad, one_token)
 

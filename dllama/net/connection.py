@@ -206,7 +206,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc):
         if self._error is None:
-            if self._bye:
+            if self._bye:  # (normally already failed by the BYE frame itself)
                 why = "closed the connection"
             elif self._kind is not None:
                 why = "connection lost in the middle of a frame (peer died?)"
@@ -369,7 +369,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._on_abort(dest)
             elif code == F.BYE.code:
                 self._bye = True
-                self._fail(PeerClosed("closed the connection", self.peer), close=False)
+                self._fail(PeerClosed("closed the connection", self.peer, orderly=True), close=False)
                 if self.transport is not None:
                     self.transport.close()  # the peer half-closed and waits for us
             return  # PING: nothing to do, receiving it was the point

@@ -187,8 +187,15 @@ class ProcessGroup:
             self._seconds += time.perf_counter() - t0
 
     def _connection_failed(self, exc: BaseException) -> None:
-        if not self._closing and self._failed is None:
-            self._fail(exc)
+        # a peer that finished and said goodbye is no failure: only a later call that needs it is
+        if getattr(exc, "orderly", False) or self._closing or self._failed is not None:
+            return
+        self._fail(exc)
+
+    def abort(self, reason: str) -> None:
+        """Give up on the group now: every peer's pending and later calls fail at once (with
+        PeerAborted naming this rank and the reason), not after their timeouts."""
+        self._fail(NetworkError(reason))
 
     def _fail(self, exc: BaseException) -> None:
         """Give up on the group and tell every peer why (their calls raise PeerAborted)."""
