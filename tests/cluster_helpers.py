@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from dllama.cluster.root import ClusterEngine
 from dllama.cluster.worker import Worker
@@ -68,12 +67,3 @@ class WorkerProcess:
 
 def run_dllama(*args: str, timeout: float = 300, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(DLLAMA + list(args), capture_output=True, text=True, timeout=timeout, input=input)
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

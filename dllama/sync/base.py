@@ -238,3 +238,15 @@ def fold(p: int):
         return 2 * v + 1 if v < rem else v + rem
 
     return p2, rem, newrank, realrank
+
+
+async def contribute_and_wait(c: Comm, red, pieces) -> None:
+    """What a rank folded out of a power-of-two schedule does (recursive doubling, Rabenseifner):
+    hand its partial to rank r+1, then receive the exact result from it. r+1 sends the result
+    only once it has all of our partial, so it may land in our own buffer."""
+    r = c.rank
+    for lo, hi in pieces:
+        c.send(r + 1, red.send_partial(lo, hi))
+    futs = [c.irecv(r + 1, red.raw(lo, hi)) for lo, hi in pieces]
+    for f in futs:
+        await f

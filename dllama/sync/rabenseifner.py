@@ -12,7 +12,7 @@ result (all-reduce) or their block (reduce-scatter) from their partner.
 
 from __future__ import annotations
 
-from .base import chunks, fold, split
+from .base import chunks, contribute_and_wait, fold, split
 from .recursive_doubling import RecursiveDoubling
 from .reducer import Reducer
 
@@ -32,12 +32,7 @@ class Rabenseifner(RecursiveDoubling):
         v = newrank(r)
         step = c.chunk_values(red)
         if v < 0:
-            pieces = list(chunks(0, n, step))
-            for lo, hi in pieces:
-                c.send(r + 1, red.send_partial(lo, hi))
-            futs = [c.irecv(r + 1, red.raw(lo, hi)) for lo, hi in pieces]
-            for f in futs:
-                await f
+            await contribute_and_wait(c, red, list(chunks(0, n, step)))
             return
         if r < 2 * rem:
             await self._fold_in(red, r - 1, list(chunks(0, n, step)))

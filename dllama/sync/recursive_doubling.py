@@ -13,7 +13,7 @@ dissemination barrier, which Rabenseifner shares.
 
 from __future__ import annotations
 
-from .base import Algorithm, _EMPTY, chunks, fold
+from .base import Algorithm, _EMPTY, chunks, contribute_and_wait, fold
 from .reducer import Reducer
 
 
@@ -33,12 +33,7 @@ class RecursiveDoubling(Algorithm):
         step = c.chunk_values(red)
         pieces = list(chunks(0, n, step))
         if v < 0:  # folded out: contribute, then receive the exact result
-            for lo, hi in pieces:
-                c.send(r + 1, red.send_partial(lo, hi))
-            # r+1 sends the result only after it has all of our partial: safe to land in `a`.
-            futs = [c.irecv(r + 1, red.raw(lo, hi)) for lo, hi in pieces]
-            for f in futs:
-                await f
+            await contribute_and_wait(c, red, pieces)
             return
         if r < 2 * rem:
             await self._fold_in(red, r - 1, pieces)
