@@ -94,11 +94,12 @@ class Generator:
         sampler = Sampler(params)
         emitter = _StopEmitter(list(stop), on_text)
         decoder = StreamDecoder(self.tokenizer)
-        window = params.repeat_last_n
+        # the recent tokens only matter (and only travel to the workers) with a repetition penalty
+        window = params.repeat_last_n if params.repeat_penalty != 1.0 else 0
         t0 = time.perf_counter()
         decode_t0, stats0 = None, None
         try:
-            summaries = await _step(self.engine.feed(prompt[reused:], params, recent=prompt[-window:]))
+            summaries = await _step(self.engine.feed(prompt[reused:], params, recent=_last(prompt, window)))
             out.prefill_s = time.perf_counter() - t0
             decode_t0, stats0 = time.perf_counter(), self.engine.stats.copy()
             while len(out.tokens) < max_tokens:
@@ -112,7 +113,7 @@ class Generator:
                     break
                 if len(out.tokens) == max_tokens or self.engine.n_cached >= self.engine.ctx_size:
                     break  # done, or the token has no room in the KV cache
-                recent = (self.engine.context + [token])[-window:]
+                recent = _last(self.engine.context, window - 1) + [token] if window else []
                 summaries = await _step(self.engine.feed([token], params, recent=recent))
                 out.decode_steps += 1
         except DllamaError as e:
@@ -141,6 +142,10 @@ async def _step(feed):
             except Exception:
                 pass
         raise
+
+
+def _last(tokens: list[int], n: int) -> list[int]:
+    return tokens[max(0, len(tokens) - n):] if n > 0 else []
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -4,7 +4,6 @@ so `dllama worker` on a Raspberry Pi never imports the root's dependencies."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -26,18 +25,14 @@ SUBCOMMANDS = {
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
-        return sorted(name for name, target in SUBCOMMANDS.items() if _module_exists(target))
+        return sorted(SUBCOMMANDS)
 
     def get_command(self, ctx, name):
         target = SUBCOMMANDS.get(name)
-        if target is None or not _module_exists(target):
+        if target is None:
             return None
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
-
-
-def _module_exists(target: str) -> bool:
-    return importlib.util.find_spec(target.split(":")[0]) is not None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import selectors
 import subprocess
 import sys
 import time
@@ -31,8 +32,8 @@ class LocalWorkers:
                 self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True))
             deadline = time.monotonic() + START_TIMEOUT
             for i, proc in enumerate(self.procs):
-                line = proc.stdout.readline()  # "listening on HOST:PORT", printed once the port is open
-                if not line.startswith("listening on ") or time.monotonic() > deadline:
+                line = _read_line(proc, deadline)  # "listening on HOST:PORT", once the port is open
+                if not line.startswith("listening on "):
                     raise DllamaError(f"local worker {i + 1} did not start (exit code {proc.poll()})")
                 host, port = line.split()[-1].rsplit(":", 1)
                 self.addresses.append((host, int(port)))
@@ -54,3 +55,12 @@ class LocalWorkers:
             if proc.stdout is not None:
                 proc.stdout.close()
         self.procs = []
+
+
+def _read_line(proc: subprocess.Popen, deadline: float) -> str:
+    """The first line a worker prints, or "" if it prints none before the deadline."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(max(deadline - time.monotonic(), 0)):
+            return ""
+    return proc.stdout.readline()
