@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from dllama.errors import AuthError, MalformedFrame, PeerAborted, VersionMismatch
-from dllama.net import HEADER, MAGIC, PROTOCOL_VERSION, ConnectionInbox, Listener, connect
+from dllama.net import HEADER, MAGIC, PROTOCOL_VERSION, Listener, connect
 from dllama.net import frames as F
+
+from .sync_helpers import daemon_dispatch
 
 
 class Recorder:
@@ -200,15 +202,7 @@ async def test_oversized_frame_after_handshake_names_the_peer(served):
 async def test_inbox_dispatch_by_role_and_session():
     """The worker-daemon pattern: one port, control connections to the daemon, peer
     connections parked per (session, rank) until the sync group takes them."""
-    inbox = ConnectionInbox()
-    control = asyncio.Queue()
-
-    def dispatch(conn, hello):
-        if hello.role == "control":
-            control.put_nowait(conn)
-        else:
-            inbox.put(conn, hello)
-
+    dispatch, control, inbox = daemon_dispatch()
     async with Listener(dispatch) as listener:
         await listener.start("127.0.0.1", 0)
         root = await connect("127.0.0.1", listener.port, role="control")

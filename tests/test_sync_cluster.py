@@ -12,8 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from dllama.net import ConnectionInbox, Listener, connect
+from dllama.net import Listener, connect
 from dllama.sync import init_process_group, run_processes
+
+from .sync_helpers import daemon_dispatch
 
 SECRET = "cluster-secret"
 
@@ -37,15 +39,7 @@ def test_counters_bytes_and_seconds():
 async def _worker_daemon(ready: asyncio.Future, results: list):
     """What `dllama worker --port P` does with one port: control connections to the daemon,
     peer connections parked in an inbox for the sync group."""
-    inbox = ConnectionInbox()
-    control = asyncio.Queue()
-
-    def dispatch(conn, hello):
-        if hello.role == "control":
-            control.put_nowait(conn)
-        else:
-            inbox.put(conn, hello)
-
+    dispatch, control, inbox = daemon_dispatch()
     async with Listener(dispatch, secret=SECRET) as listener:
         await listener.start("127.0.0.1", 0)
         ready.set_result(listener.port)
