@@ -1,7 +1,8 @@
-"""Cluster figures: tokens/s and ms/token (compute vs sync) for 1..N nodes and each sync
-algorithm, bytes per token per node next to each algorithm's formula, and each worker's RSS.
+"""Cluster figures: tokens/s and ms/token (compute vs sync) for 1..N nodes, each sync mode and
+algorithm, bytes per token per node next to the formula, and each worker's RSS.
 
     .venv/bin/python benchmarks/bench_cluster.py                    # default model, 1-4 nodes
+    .venv/bin/python benchmarks/bench_cluster.py --modes reduce,gather --dtype q80
     .venv/bin/python benchmarks/bench_cluster.py --model models/synthetic-1b-q4_0.gguf --steps 16
 
 Every configuration runs the real CLI (`dllama inference --local-workers N --json`), so all nodes
@@ -20,8 +21,8 @@ import sys
 DLLAMA = [sys.executable, "-m", "dllama"]
 
 
-def formula_bytes(algo: str, p: int, n_bytes: float) -> float:
-    """Bytes one node sends per all-reduce of n_bytes (the busiest node for star: the root)."""
+def all_reduce_bytes(algo: str, p: int, n_bytes: float) -> float:
+    """Bytes the root sends per all-reduce of n_bytes (for star the root is the busiest node)."""
     if p == 1:
         return 0.0
     if algo == "star":
@@ -37,10 +38,34 @@ def formula_bytes(algo: str, p: int, n_bytes: float) -> float:
     return float("nan")
 
 
-def run(model: str, workers: int, algo: str, dtype: str, steps: int, threads: int) -> dict:
+def all_gather_bytes(algo: str, p: int, n_bytes: float) -> float:
+    """Bytes the root sends per all-gather of n_bytes in all (equal blocks of n_bytes / p)."""
+    if p == 1:
+        return 0.0
+    if algo == "star":  # gather to the root, which broadcasts the whole
+        return (p - 1) * n_bytes
+    if algo in ("ring", "mesh"):  # ring: forwards p-1 blocks; mesh: its block to p-1 peers
+        return (p - 1) / p * n_bytes
+    return float("nan")  # rd: depends on where the root sits in the fold
+
+
+def formula_per_token(mode: str, algo: str, p: int, cfg, dtype: str) -> float:
+    """Per token: reduce mode, 2 all-reduces of dim values per layer; gather mode, 4 all-gathers
+    per layer: the attention output and the FFN hidden layer (as Q8 blocks with q80: 36 bytes per
+    32 values) and twice the dim-long projection output (f32)."""
+    if mode == "reduce":
+        value = {"f32": 4, "f64": 8, "f16": 2, "q80": 36 / 32}[dtype]
+        return 2 * cfg.n_layers * all_reduce_bytes(algo, p, cfg.dim * value)
+    value = 36 / 32 if dtype == "q80" else 4
+    per_layer = (all_gather_bytes(algo, p, (cfg.n_heads * cfg.head_dim + cfg.ffn_dim) * value)
+                 + 2 * all_gather_bytes(algo, p, cfg.dim * 4))
+    return cfg.n_layers * per_layer
+
+
+def run(model: str, workers: int, mode: str, algo: str, dtype: str, steps: int, threads: int) -> dict:
     cmd = DLLAMA + ["inference", "--model", model, "--prompt", "The history of the lighthouse", "--steps",
-                    str(steps), "--temperature", "0", "--sync", algo, "--sync-dtype", dtype, "--threads",
-                    str(threads), "--json"]
+                    str(steps), "--temperature", "0", "--sync-mode", mode, "--sync", algo, "--sync-dtype", dtype,
+                    "--threads", str(threads), "--json"]
     if workers:
         cmd += ["--local-workers", str(workers)]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -54,6 +79,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--nodes", default="1,2,3,4", help="node counts (root included)")
     ap.add_argument("--algos", default="star,ring")
+    ap.add_argument("--modes", default="reduce", help="sync modes: reduce, gather")
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="threads per node (all nodes share this machine)")
@@ -66,27 +92,29 @@ def main() -> None:
 
     model = resolve_model(args.model)
     cfg = GGUFModel(model).config
-    value_bytes = {"f32": 4, "f64": 8, "f16": 2, "q80": 36 / 32}[args.dtype]
-    per_token_allreduces = 2 * cfg.n_layers
     rows = []
     for p in [int(x) for x in args.nodes.split(",")]:
-        for algo in args.algos.split(",") if p > 1 else ["none"]:
-            r = run(model, p - 1, algo if p > 1 else "star", args.dtype, args.steps, args.threads)
-            expect = per_token_allreduces * formula_bytes(algo, p, cfg.dim * value_bytes) if p > 1 else 0.0
-            rows.append({"nodes": p, "algo": algo, "tok_s": r["tokens_per_s"], **{f"ms_{k}": v for k, v in
-                         r["ms_per_token"].items()}, "sent_per_token": r["bytes_per_token"]["sent"],
-                         "formula_per_token": expect, "root_peak_rss_mb": r["peak_rss_mb"],
-                         "workers": r.get("workers", [])})
+        for mode in args.modes.split(",") if p > 1 else ["-"]:
+            for algo in args.algos.split(",") if p > 1 else ["none"]:
+                dtype = args.dtype if mode != "gather" or args.dtype in ("f32", "q80") else "f32"
+                r = run(model, p - 1, "reduce" if p == 1 else mode, algo if p > 1 else "star", dtype, args.steps,
+                        args.threads)
+                expect = formula_per_token(mode, algo, p, cfg, dtype) if p > 1 else 0.0
+                rows.append({"nodes": p, "mode": mode, "algo": algo, "dtype": dtype, "tok_s": r["tokens_per_s"],
+                             **{f"ms_{k}": v for k, v in
+                                r["ms_per_token"].items()}, "sent_per_token": r["bytes_per_token"]["sent"],
+                             "formula_per_token": expect, "root_peak_rss_mb": r["peak_rss_mb"],
+                             "workers": r.get("workers", [])})
     if args.json:
-        print(json.dumps({"model": os.path.basename(model), "dtype": args.dtype, "rows": rows}))
+        print(json.dumps({"model": os.path.basename(model), "rows": rows}))
         return
-    print(f"model {os.path.basename(model)}: dim {cfg.dim}, {cfg.n_layers} layers; sync payload {args.dtype}; "
+    print(f"model {os.path.basename(model)}: dim {cfg.dim}, {cfg.n_layers} layers; "
           f"{args.threads} thread(s) per node, all nodes on this machine")
-    print(f"{'nodes':>5} {'algo':>5} {'tok/s':>7} {'ms/tok':>7} {'compute':>8} {'sync':>7} "
+    print(f"{'nodes':>5} {'mode':>6} {'algo':>5} {'dtype':>5} {'tok/s':>7} {'ms/tok':>7} {'compute':>8} {'sync':>7} "
           f"{'root sent B/tok':>15} {'formula':>9} {'root RSS':>9}  worker RSS MB")
     for row in rows:
         worker_rss = ", ".join(f"{w['rss_mb']:.0f}" for w in row["workers"] if w.get("rss_mb"))
-        print(f"{row['nodes']:>5} {row['algo']:>5} {row['tok_s']:>7.1f} {row['ms_total']:>7.1f} "
+        print(f"{row['nodes']:>5} {row['mode']:>6} {row['algo']:>5} {row['dtype']:>5} {row['tok_s']:>7.1f} {row['ms_total']:>7.1f} "
               f"{row['ms_compute']:>8.1f} {row['ms_sync']:>7.1f} {row['sent_per_token']:>15.0f} "
               f"{row['formula_per_token']:>9.0f} {row['root_peak_rss_mb']:>9.0f}  {worker_rss}")
 

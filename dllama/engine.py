@@ -19,6 +19,7 @@ from .errors import ContextOverflow
 from .gguf_model import GGUFModel
 from .model import ShardModel, ShardWeights
 from .plan import Plan
+from .projection import Reduce
 from .sampling import LogitSummary, SamplingParams, summarize
 from .weights import Matrix
 
@@ -50,6 +51,7 @@ class Engine:
     n_nodes: int = 1
     sync_name: str = "none"
     sync_dtype: str = "f32"
+    sync_mode: str = "reduce"
 
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
 
@@ -138,7 +140,7 @@ class LocalEngine(Engine):
         shard = Plan.single(self.config).shards[0]
         # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results
         self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
-                                wide_partials=sync_dtype == "f64")
+                                Reduce(wide=sync_dtype == "f64"))
         self.ctx_size = self.model.ctx_size
         # numba's thread count is per calling thread: hand ours (set_threads) to the compute thread
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="dllama-compute",

@@ -1,14 +1,15 @@
 """One node's slice of a llama-style transformer: its weights, its KV cache, its forward pass.
 
-The same code runs on every node. A 1-node run is the shard that holds everything, with an
-all-reduce that returns its input. Per layer there are exactly two sync points, where each node's
-partial output projection is summed over all nodes.
+The same code runs on every node. A 1-node run is the shard that holds everything, with
+collectives that return their input. Per layer there are exactly two sync points: the attention
+output and the FFN down projections, made whole across nodes (by an all-reduce of partial sums,
+or by all-gathers: see projection.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
@@ -18,14 +19,8 @@ from .gguf_model import LAYER_TENSORS, GGUFModel
 from .kernels.matmul import Activations
 from .kernels.ops import attention, rmsnorm, rope, silu_mul
 from .plan import Shard
+from .projection import ALONE, Collectives, Gather, Reduce
 from .weights import Matrix
-
-AllReduce = Callable[[np.ndarray], Awaitable[np.ndarray]]
-
-
-async def no_sync(partial: np.ndarray) -> np.ndarray:
-    """The all-reduce of a 1-node run."""
-    return partial
 
 
 @dataclass
@@ -34,11 +29,11 @@ class LayerWeights:
     wq: Matrix  # rows: this node's query heads
     wk: Matrix  # rows: the KV heads those query heads read
     wv: Matrix
-    wo: Matrix  # columns: this node's query heads
+    wo: Matrix  # columns: this node's query heads (gather mode: rows: its output rows)
     ffn_norm: np.ndarray
     w_gate: Matrix  # rows: this node's FFN hidden units
     w_up: Matrix
-    w_down: Matrix  # columns: this node's FFN hidden units
+    w_down: Matrix  # columns: this node's FFN hidden units (gather mode: rows: its output rows)
 
 
 @dataclass
@@ -49,9 +44,9 @@ class ShardWeights:
     rope_freq_factors: np.ndarray | None
 
     @classmethod
-    def from_gguf(cls, model: GGUFModel, shard: Shard) -> "ShardWeights":
+    def from_gguf(cls, model: GGUFModel, shard: Shard, mode: str = "reduce") -> "ShardWeights":
         """Views of this shard's slices in the (memory-mapped) file; nothing is copied for native types."""
-        return cls.from_tensors(dict(shard_tensors(model, shard)))
+        return cls.from_tensors(dict(shard_tensors(model, shard, mode)))
 
     @classmethod
     def from_tensors(cls, t: dict[str, Matrix | np.ndarray]) -> "ShardWeights":
@@ -75,13 +70,15 @@ _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "w
           "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
 
 
-def shard_tensors(model: GGUFModel, shard: Shard) -> Iterator[tuple[str, Matrix | np.ndarray]]:
+def shard_tensors(model: GGUFModel, shard: Shard, mode: str = "reduce") -> Iterator[tuple[str, Matrix | np.ndarray]]:
     """(name, tensor) for every tensor of a shard, cut from the full model. Names are the GGUF
-    names without '.weight'; the LM head is always 'output'."""
+    names without '.weight'; the LM head is always 'output'. mode: how Wo and W2 are cut
+    (reduce: by the columns of this node's heads / hidden units; gather: by its output rows)."""
     hd = model.config.head_dim
     q0, q1 = (h * hd for h in shard.q_heads)
     k0, k1 = (h * hd for h in shard.kv_heads)
     f0, f1 = shard.ffn
+    by_rows = mode == "gather"
     for i in range(model.config.n_layers):
         def m(part):
             return model.matrix(model.layer_name(i, part))
@@ -90,11 +87,11 @@ def shard_tensors(model: GGUFModel, shard: Shard) -> Iterator[tuple[str, Matrix 
         yield f"blk.{i}.attn_q", m("attn_q").row_slice(q0, q1)
         yield f"blk.{i}.attn_k", m("attn_k").row_slice(k0, k1)
         yield f"blk.{i}.attn_v", m("attn_v").row_slice(k0, k1)
-        yield f"blk.{i}.attn_output", m("attn_output").col_slice(q0, q1)
+        yield f"blk.{i}.attn_output", m("attn_output").row_slice(*shard.rows) if by_rows else m("attn_output").col_slice(q0, q1)
         yield f"blk.{i}.ffn_norm", model.vector(model.layer_name(i, "ffn_norm"))
         yield f"blk.{i}.ffn_gate", m("ffn_gate").row_slice(f0, f1)
         yield f"blk.{i}.ffn_up", m("ffn_up").row_slice(f0, f1)
-        yield f"blk.{i}.ffn_down", m("ffn_down").col_slice(f0, f1)
+        yield f"blk.{i}.ffn_down", m("ffn_down").row_slice(*shard.rows) if by_rows else m("ffn_down").col_slice(f0, f1)
     yield "output_norm", model.vector("output_norm.weight")
     yield "output", model.matrix(model.lm_head_name).row_slice(*shard.vocab)
     freqs = model.rope_freq_factors()
@@ -105,16 +102,13 @@ def shard_tensors(model: GGUFModel, shard: Shard) -> Iterator[tuple[str, Matrix 
 class ShardModel:
     """A node's slice of the transformer, with the KV cache of its heads.
 
-    wide_partials: compute the two cross-node partial sums (attention output and FFN down
-    projections, whose columns are split) in float64. Their all-reduce is then exact up to
-    float64 rounding, so the result no longer depends on the number of nodes or the sync
-    algorithm: N nodes reproduce 1 node in the same mode. Off (f32, llama.cpp's own order on one
-    node) by default, as it doubles the bytes each all-reduce carries."""
+    projection: how the output projections are split and made whole (projection.Reduce, the
+    default, or projection.Gather); it must match how the weights were cut (shard_tensors)."""
 
     def __init__(self, config: ModelConfig, shard: Shard, weights: ShardWeights, ctx_size: int,
-                 wide_partials: bool = False):
+                 projection: Reduce | Gather = Reduce()):
         self.config, self.shard, self.weights, self.ctx_size = config, shard, weights, ctx_size
-        self.wide = wide_partials
+        self.projection = projection
         g = config.group_size
         self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
         # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
@@ -124,7 +118,7 @@ class ShardModel:
         self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
         self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
 
-    async def forward(self, x: np.ndarray, start: int, all_reduce: AllReduce = no_sync,
+    async def forward(self, x: np.ndarray, start: int, comm: Collectives = ALONE,
                       one_token: bool | None = None) -> np.ndarray:
         """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every
         layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every
@@ -136,6 +130,7 @@ class ShardModel:
         x = np.array(x, dtype=np.float32)
         pos = np.arange(start, start + T)
         nq, nkv = self.shard.n_q_heads, self.shard.n_kv_heads
+        project = self.projection.project
         for w, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache):
             # attention over this node's heads
             h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
@@ -147,16 +142,15 @@ class ShardModel:
                 rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors)
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
                 v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
-                att = attention(q, k_cache, v_cache, self.kv_of_head, start, one_token)
-                partial = w.wo.matmul(att.reshape(T, nq * hd), wide=self.wide)
+                att = attention(q, k_cache, v_cache, self.kv_of_head, start, one_token).reshape(T, nq * hd)
             else:
-                partial = np.zeros(x.shape, np.float64 if self.wide else np.float32)
-            x += await all_reduce(partial)  # sync point 1
+                att = np.zeros((T, 0), np.float32)
+            x += await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads
 
             # feed-forward over this node's hidden units
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
             a = silu_mul(w.w_gate.matmul(h), w.w_up.matmul(h))
-            x += await all_reduce(w.w_down.matmul(a, wide=self.wide))  # sync point 2
+            x += await project(w.w_down, a, "ffn", comm)  # sync point 2: W2 @ a, all hidden units
         return x
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -5,6 +5,8 @@
   each node keeps (replicates) the KV heads its query heads read.
 - FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks.
 - LM head by vocabulary rows.
+- Output rows (the model dimension) of the attention output and FFN down projections: the slice
+  a node computes whole in gather mode (see model.py), where those two matrices are split by rows.
 Shares follow per-node weights (e.g. 2,1,1 or measured speeds) by the largest-remainder rule.
 """
 
@@ -24,6 +26,7 @@ class Shard:
     kv_heads: tuple[int, int]  # [start, stop) of the KV heads those query heads read
     ffn: tuple[int, int]  # [start, stop) of FFN hidden units
     vocab: tuple[int, int]  # [start, stop) of vocabulary rows of the LM head
+    rows: tuple[int, int]  # [start, stop) of output rows of Wo and W2 (used in gather mode)
 
     @property
     def n_q_heads(self) -> int:
@@ -38,7 +41,8 @@ class Shard:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Shard":
-        return cls(d["node"], tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]), tuple(d["vocab"]))
+        return cls(d["node"], tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]), tuple(d["vocab"]),
+                   tuple(d["rows"]))
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,14 @@ class Plan:
             q_counts = split_units(config.n_heads, weights)
         ffn_counts = [c * QK for c in split_units(config.ffn_dim // QK, weights)]
         vocab_counts = split_units(config.vocab_size, weights)
+        row_counts = split_units(config.dim, weights)
 
-        shards, q0, f0, v0 = [], 0, 0, 0
+        shards, q0, f0, v0, r0 = [], 0, 0, 0, 0
         for node in range(n):
-            q1, f1, v1 = q0 + q_counts[node], f0 + ffn_counts[node], v0 + vocab_counts[node]
+            q1, f1, v1, r1 = q0 + q_counts[node], f0 + ffn_counts[node], v0 + vocab_counts[node], r0 + row_counts[node]
             kv = (q0 // g, -(-q1 // g)) if q1 > q0 else (0, 0)
-            shards.append(Shard(node, (q0, q1), kv, (f0, f1), (v0, v1)))
-            q0, f0, v0 = q1, f1, v1
+            shards.append(Shard(node, (q0, q1), kv, (f0, f1), (v0, v1), (r0, r1)))
+            q0, f0, v0, r0 = q1, f1, v1, r1
         return cls(config, tuple(shards))
 
 

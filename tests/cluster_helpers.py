@@ -18,14 +18,15 @@ DLLAMA = [sys.executable, "-m", "dllama"]
 
 @contextlib.asynccontextmanager
 async def in_process_cluster(model, n_workers: int, *, algo: str = "ring", sync_dtype: str = "f64",
-                             ctx: int = 256, weights=None, secret=None, cache_dirs=None, timeout: float = 20.0):
+                             sync_mode: str = "reduce", ctx: int = 256, weights=None, secret=None, cache_dirs=None,
+                             timeout: float = 20.0):
     """A root (ClusterEngine) and n worker daemons, all in this event loop, over loopback TCP."""
     workers = [Worker(secret=secret, cache_dir=None if cache_dirs is None else cache_dirs[i], timeout=timeout)
                for i in range(n_workers)]
     try:
         addrs = [await w.start("127.0.0.1", 0) for w in workers]
-        engine = await ClusterEngine(model, ctx, addrs, algo=algo, sync_dtype=sync_dtype, weights=weights,
-                                     secret=secret, timeout=timeout, spin=0.0, progress=False).start()
+        engine = await ClusterEngine(model, ctx, addrs, algo=algo, sync_dtype=sync_dtype, sync_mode=sync_mode,
+                                     weights=weights, secret=secret, timeout=timeout, spin=0.0, progress=False).start()
         try:
             yield engine, workers
         finally:

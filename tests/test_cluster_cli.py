@@ -40,6 +40,14 @@ def one_node_answer():
 
 
 @pytest.fixture(scope="module")
+def one_node_f32_answer():
+    """1-node greedy answer in the default f32 mode (llama.cpp's numbers): what every cluster in
+    gather mode must reproduce."""
+    return json_report(run_dllama("inference", "-p", PROMPT, "-n", "48", "--temperature", "0", "--threads", "1",
+                                  "--json"))
+
+
+@pytest.fixture(scope="module")
 def one_node_tokens(one_node_answer):
     return one_node_answer["tokens"]
 
@@ -70,6 +78,17 @@ def test_local_workers_report(one_node_tokens):
     assert r["ms_per_token"]["sync"] > 0 and r["ms_per_token"]["compute"] > 0
 
 
+def test_gather_mode_across_worker_processes_gives_the_one_node_tokens(one_node_f32_answer):
+    """--sync-mode gather needs no f64: f32 and q80 payloads both give exactly the 1-node tokens."""
+    for dtype in ("f32", "q80"):
+        r = json_report(run_dllama("inference", "-p", PROMPT, "-n", "48", "--temperature", "0", "--threads", "1",
+                                   "--local-workers", "2", "--sync-mode", "gather", "--sync-dtype", dtype, "--json"))
+        assert (r["nodes"], r["sync_mode"], r["sync_dtype"]) == (3, "gather", dtype)
+        assert r["tokens"] == one_node_f32_answer["tokens"]
+    one_error_line(run_dllama("inference", "-p", "hi", "-n", "2", "--local-workers", "1", "--sync-mode", "gather",
+                              "--sync-dtype", "f16"), "gather carries f32 or q80")
+
+
 def test_unreachable_worker_is_one_line():
     t0 = time.monotonic()
     r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", "127.0.0.1:1")
@@ -86,7 +105,7 @@ def test_worker_on_another_protocol_version():
     def serve():
         async def newer(reader, writer):
             await reader.readexactly(16)
-            body = b"\x81\xa5proto\x02"  # msgpack {"proto": 2}
+            body = b"\x81\xa5proto" + bytes([PROTOCOL_VERSION + 1])  # msgpack {"proto": newer}
             writer.write(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, CHALLENGE.code, 0, 0, len(body)) + body)
             await writer.drain()
             await asyncio.sleep(2)
@@ -103,7 +122,7 @@ def test_worker_on_another_protocol_version():
     threading.Thread(target=serve, daemon=True).start()
     assert ready.wait(10)
     r = run_dllama("inference", "-p", "hi", "-n", "2", "--workers", f"127.0.0.1:{port[0]}")
-    one_error_line(r, f"127.0.0.1:{port[0]}", "version 2")
+    one_error_line(r, f"127.0.0.1:{port[0]}", f"version {PROTOCOL_VERSION + 1}")
 
 
 def test_wrong_secret_is_refused(workers):
@@ -158,6 +177,15 @@ def test_worker_killed_mid_answer_is_recovered(workers, one_node_answer):
     assert r.returncode == 0, r.stderr
     assert r.stdout == PROMPT + one_node_answer["text"] + "\n"  # the answer of a run without failure
     assert "re-planning" in r.stderr and re.search(r"recovered in [\d.]+ s: 3 node", r.stderr), r.stderr
+
+
+def test_gather_mode_recovers_with_the_exact_answer(workers, one_node_f32_answer):
+    ws = workers(3)
+    r, _ = _run_and_signal(ws, ["--timeout", "5", "--sync-mode", "gather", "--sync-dtype", "q80"], signal.SIGKILL,
+                           after_text=20, steps=48)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == PROMPT + one_node_f32_answer["text"] + "\n"
+    assert re.search(r"recovered in [\d.]+ s: 3 node", r.stderr), r.stderr
 
 
 def test_worker_stopped_mid_answer_is_recovered_after_the_timeout(workers, one_node_answer):

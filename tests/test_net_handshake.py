@@ -104,7 +104,7 @@ async def test_version_mismatch_both_ways(served):
     listener, rec = served
     # a newer client: the server answers in its own version, then closes
     reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
-    body = msgpack.packb({"proto": 2})
+    body = msgpack.packb({"proto": PROTOCOL_VERSION + 1})
     writer.write(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, F.HELLO.code, 0, 0, len(body)) + body)
     await writer.drain()
     reply = await asyncio.wait_for(reader.read(), 5)  # everything until the server hangs up
@@ -116,7 +116,7 @@ async def test_version_mismatch_both_ways(served):
     # a newer server: our client names it and its version
     async def newer(reader, writer):
         await reader.readexactly(16)
-        body = msgpack.packb({"proto": 2})
+        body = msgpack.packb({"proto": PROTOCOL_VERSION + 1})
         writer.write(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, F.CHALLENGE.code, 0, 0, len(body)) + body)
         await writer.drain()
         await asyncio.sleep(1)
@@ -124,7 +124,8 @@ async def test_version_mismatch_both_ways(served):
 
     server = await asyncio.start_server(newer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    with pytest.raises(VersionMismatch, match=rf"rank 3 \(127\.0\.0\.1:{port}\): speaks wire protocol version 2"):
+    newer_version = rf"rank 3 \(127\.0\.0\.1:{port}\): speaks wire protocol version {PROTOCOL_VERSION + 1}"
+    with pytest.raises(VersionMismatch, match=newer_version):
         await connect("127.0.0.1", port, peer_rank=3)
     server.close()
     conn = await good_client(listener)

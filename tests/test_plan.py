@@ -1,6 +1,7 @@
-"""The split plan: every head, FFN unit and vocabulary row is held by exactly one node, cuts fall
-on quant blocks, KV ranges hold the KV heads their query heads read, shares follow the weights;
-and a model split this way computes what the whole model computes."""
+"""The split plan: every head, FFN unit, vocabulary row and output row is held by exactly one node,
+cuts fall on quant blocks, KV ranges hold the KV heads their query heads read, shares follow the
+weights; and a model split this way computes what the whole model computes (in gather mode, bit
+for bit)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from dllama.errors import DllamaError
 from dllama.gguf_model import GGUFModel
 from dllama.model import ShardModel, ShardWeights
 from dllama.plan import Plan, Shard, split_units
+from dllama.projection import Gather
 from dllama.quant import QK
 
-from .engine_helpers import compare, our_logits, text
+from .engine_helpers import compare, our_logits, shard_model, text
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")
 
@@ -29,7 +31,8 @@ def check_plan(plan: Plan, weights: list[float]) -> None:
     g = cfg.group_size
     shards = plan.shards
     assert [s.node for s in shards] == list(range(len(weights)))
-    for field, total in (("q_heads", cfg.n_heads), ("ffn", cfg.ffn_dim), ("vocab", cfg.vocab_size)):
+    for field, total in (("q_heads", cfg.n_heads), ("ffn", cfg.ffn_dim), ("vocab", cfg.vocab_size),
+                         ("rows", cfg.dim)):
         ranges = [getattr(s, field) for s in shards]
         # contiguous ranges that tile [0, total): every unit held by exactly one node
         assert ranges[0][0] == 0 and ranges[-1][1] == total, field
@@ -52,7 +55,7 @@ def check_plan(plan: Plan, weights: list[float]) -> None:
         assert all(a[1] == b[0] for a, b in zip(kv, kv[1:]))
     # shares follow the weights: within one unit of the exact proportion
     total_w = sum(weights)
-    for field, units, unit in (("ffn", cfg.ffn_dim // QK, QK), ("vocab", cfg.vocab_size, 1)):
+    for field, units, unit in (("ffn", cfg.ffn_dim // QK, QK), ("vocab", cfg.vocab_size, 1), ("rows", cfg.dim, 1)):
         for s, w in zip(shards, weights):
             count = (getattr(s, field)[1] - getattr(s, field)[0]) // unit
             assert abs(count - units * w / total_w) < 1 + 1e-9, (field, s)
@@ -90,7 +93,7 @@ def test_two_one_one_on_the_default_model(gguf_model):
 def test_single_plan_holds_everything(gguf_model):
     cfg = gguf_model.config
     (s,) = Plan.single(cfg).shards
-    assert s == Shard(0, (0, cfg.n_heads), (0, cfg.n_kv_heads), (0, cfg.ffn_dim), (0, cfg.vocab_size))
+    assert s == Shard(0, (0, cfg.n_heads), (0, cfg.n_kv_heads), (0, cfg.ffn_dim), (0, cfg.vocab_size), (0, cfg.dim))
     assert Shard.from_dict(s.to_dict()) == s
     assert ModelConfig.from_dict({**cfg.to_dict(), "unknown": 1}) == cfg
 
@@ -160,24 +163,40 @@ def test_plan_properties(cfg, weights):
 # ------------------------------------------------------------------ a split model computes the whole model
 
 
-def _all_reduce_group(n: int):
-    """In-process all-reduce for n coroutines: every rank gets the same sum, in rank order."""
-    parts: dict[int, np.ndarray] = {}
-    barrier = asyncio.Barrier(n)
+class _InProcessGroup:
+    """Collectives for n coroutines of one process (the model-level tests; the cluster tests run
+    the real ones over sockets): every rank gets the same result, assembled in rank order."""
 
-    def for_rank(rank):
-        async def all_reduce(partial):
-            parts[rank] = partial.copy()
-            await barrier.wait()
-            total = parts[0].copy()
-            for r in range(1, n):
-                total += parts[r]
-            await barrier.wait()
-            return total
+    def __init__(self, n: int):
+        self.n, self.parts, self.barrier = n, {}, asyncio.Barrier(n)
 
-        return all_reduce
+    def __call__(self, rank: int):
+        return _Rank(self, rank)
 
-    return for_rank
+
+class _Rank:
+    def __init__(self, group: _InProcessGroup, rank: int):
+        self.g, self.rank = group, rank
+
+    async def _exchange(self, part, combine):
+        self.g.parts[self.rank] = part.copy()
+        await self.g.barrier.wait()
+        result = combine([self.g.parts[r] for r in range(self.g.n)])
+        await self.g.barrier.wait()
+        return result
+
+    async def all_reduce(self, partial):
+        def total(parts):
+            out = parts[0].copy()
+            for p in parts[1:]:
+                out += p
+            return out
+
+        return await self._exchange(partial, total)
+
+    async def all_gather(self, part, counts):
+        assert part.size == counts[self.rank]
+        return await self._exchange(part.reshape(-1), np.concatenate)
 
 
 @pytest.mark.parametrize("weights", [[1, 1], [2, 1, 1], [1, 1, 1, 1, 1]], ids=["2", "2-1-1", "5"])
@@ -190,7 +209,7 @@ async def test_split_model_matches_the_whole_model(synthetic_model, weights):
     tokens = [t % cfg.vocab_size for t in range(100, 100 + 40 * 37, 37)]
     x = model.matrix("token_embd.weight").row_values(np.array(tokens))
     shards = [ShardModel(cfg, s, ShardWeights.from_gguf(model, s), 64) for s in plan.shards]
-    group = _all_reduce_group(len(shards))
+    group = _InProcessGroup(len(shards))
     # a prefill chunk, then decode steps that read the KV cache
     hs = await asyncio.gather(*(m.forward(x[:30], 0, group(i)) for i, m in enumerate(shards)))
     for i in range(30, 40):
@@ -209,7 +228,7 @@ async def test_split_default_model_three_nodes(gguf_model, tokenizer):
     tokens = tokenizer.encode(text())[:48]
     plan = Plan.split(gguf_model.config, [2, 1, 1])
     shards = [ShardModel(gguf_model.config, s, ShardWeights.from_gguf(gguf_model, s), 64) for s in plan.shards]
-    group = _all_reduce_group(3)
+    group = _InProcessGroup(3)
     x = gguf_model.matrix("token_embd.weight").row_values(np.array(tokens))
     hs = await asyncio.gather(*(m.forward(x, 0, group(i)) for i, m in enumerate(shards)))
     logits = np.concatenate([m.logits(hs[0]) for m in shards], axis=1)
@@ -217,3 +236,31 @@ async def test_split_default_model_three_nodes(gguf_model, tokenizer):
     # partial sums in another order: one-ulp differences, which this model amplifies to KL ~5e-3
     # (as it does a 1e-7 relative perturbation of its input); a slicing bug gives KL >> 0.1
     assert figures["top1"] >= 0.9 and figures["kl"] <= 0.02, figures
+
+
+@pytest.mark.parametrize("qtype,weights,q8", [("Q4_0", [1] * 10, False), ("Q4_0", [3, 1, 2], True),
+                                              ("Q4_1", [1, 1, 1], True), ("F16", [2, 1], True)],
+                         ids=["10-nodes-some-headless", "3-1-2-q8", "q4_1-q8", "f16-q8-falls-back"])
+async def test_gather_mode_computes_the_whole_model_bit_for_bit(synthetic_model, qtype, weights, q8):
+    """Wo and W2 split by rows: every output value is one node's whole dot product, so N nodes
+    give exactly the 1-node logits, for prefill and decode, with nodes that hold no head (10
+    nodes, 8 heads), uneven shares, Q8-block gathers, and an F16 model whose matmuls read f32."""
+    model = GGUFModel(synthetic_model(qtype))
+    cfg = model.config
+    plan = Plan.split(cfg, weights)
+    check_plan(plan, weights)
+    gather = Gather.of(plan.shards, cfg.head_dim, q8=q8)
+    tokens = [t % cfg.vocab_size for t in range(100, 100 + 24 * 37, 37)]
+    x = model.matrix("token_embd.weight").row_values(np.array(tokens))
+    shards = [ShardModel(cfg, s, ShardWeights.from_gguf(model, s, "gather"), 64, gather) for s in plan.shards]
+    group = _InProcessGroup(len(shards))
+    hs = await asyncio.gather(*(m.forward(x[:20], 0, group(i)) for i, m in enumerate(shards)))
+    for i in range(20, 24):
+        step = await asyncio.gather(*(m.forward(x[i:i + 1], i, group(r)) for r, m in enumerate(shards)))
+        hs = [np.concatenate([a, b]) for a, b in zip(hs, step)]
+    one = shard_model(model, 64)  # the 1-node model, the same forward passes
+    h = np.concatenate([await one.forward(x[:20], 0)] + [await one.forward(x[i:i + 1], i) for i in range(20, 24)])
+    for ours in hs:
+        np.testing.assert_array_equal(ours, h)
+    logits = np.concatenate([m.logits(hs[0]) for m in shards], axis=1)
+    np.testing.assert_array_equal(logits, one.logits(h))

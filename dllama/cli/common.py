@@ -51,7 +51,11 @@ def cluster_options(f):
                   help="All-reduce algorithm between nodes.")
     @click.option("--sync-dtype", "--buffer-float-type", default="f32", show_default=True,
                   type=click.Choice(["f32", "f64", "f16", "q80"]),
-                  help="Payload of the all-reduces; f64 makes results independent of the node count.")
+                  help="Payload of the sync points; f64 makes results independent of the node count.")
+    @click.option("--sync-mode", default="reduce", show_default=True, type=click.Choice(["reduce", "gather"]),
+                  help="reduce: one all-reduce of partial sums per sync point (fewest bytes); gather: "
+                       "all-gathers, every value computed whole on one node, so any node count gives "
+                       "exactly the 1-node result (with --sync-dtype f32 or q80).")
     @click.option("--weights", "node_weights", default=None, metavar="W0,W1,..|auto",
                   help="Relative share of each node (root first), or 'auto' to measure their speed.")
     @click.option("--secret", envvar="DLLAMA_SECRET", default=None,
@@ -144,6 +148,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
         try:
             engine = await ClusterEngine(
                 model, ctx, workers, algo=opts.get("sync_algo", "auto"), sync_dtype=opts.get("sync_dtype", "f32"),
+                sync_mode=opts.get("sync_mode", "reduce"),
                 weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
                 timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True)).start()
         except BaseException:
@@ -156,7 +161,8 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "
-             f"{engine.n_nodes} node(s) ({engine.sync_name} sync, {engine.sync_dtype}), {threads} thread(s) each")
+             f"{engine.n_nodes} node(s) ({engine.sync_name} sync, {engine.sync_mode}, {engine.sync_dtype}), "
+             f"{threads} thread(s) each")
     return Runtime(engine, tokenizer, path, local)
 
 

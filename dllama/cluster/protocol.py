@@ -3,7 +3,7 @@
     root                                   worker
     PROBE {measure}                  ->
                                      <-    PROBED {gmacs, mem_available, threads, version}
-    SETUP {session, rank, world, addrs, algo, sync_dtype, config, shard, ctx_size, manifest}  ->
+    SETUP {session, rank, world, addrs, algo, sync_dtype, sync_mode, config, shards, ctx_size, manifest}  ->
                                      <-    NEED {names}            (what its slice cache lacks)
     TENSOR (raw, chunked) per needed tensor, in manifest order  ->
                                      <-    LOADED {}               (checksums verified)

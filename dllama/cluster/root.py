@@ -28,7 +28,7 @@ from ..plan import Plan
 from ..sampling import LogitSummary, SamplingParams
 from ..sync import init_process_group
 from . import protocol as P
-from .node import NodeStep, measure_speed, mem_available
+from .node import NodeStep, check_sync, measure_speed, mem_available, projection_of
 from .slices import make_entry, tensor_bytes
 
 log = logging.getLogger("dllama.root")
@@ -68,14 +68,14 @@ def parse_address(text: str, default_port: int = 9998) -> tuple[str, int]:
 
 
 class ClusterEngine(Engine):
-    """Root (rank 0) plus workers (ranks 1..N), one shard each, two all-reduces per layer."""
+    """Root (rank 0) plus workers (ranks 1..N), one shard each, two sync points per layer."""
 
     def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *, algo: str = "auto",
-                 sync_dtype: str = "f32", weights: list[float] | str | None = None, secret: str | None = None,
-                 timeout: float = 30.0, spin: float | None = None, progress: bool = True, recover: bool = True):
+                 sync_dtype: str = "f32", sync_mode: str = "reduce", weights: list[float] | str | None = None,
+                 secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
+                 recover: bool = True):
         super().__init__()
-        if sync_dtype not in P.CODEC_OF_SYNC_DTYPE:
-            raise DllamaError(f"unknown sync dtype {sync_dtype!r} ({', '.join(P.CODEC_OF_SYNC_DTYPE)})")
+        check_sync(sync_mode, sync_dtype)
         self.model_file = model
         self.config = model.config
         self.ctx_size = ctx_size
@@ -83,6 +83,7 @@ class ClusterEngine(Engine):
         self.workers: list[WorkerInfo] = []
         self.sync_name = algo
         self.sync_dtype = sync_dtype
+        self.sync_mode = sync_mode
         self.requested_weights = weights
         self.secret = secret
         self.timeout = timeout
@@ -147,15 +148,16 @@ class ClusterEngine(Engine):
         self.plan = Plan.split(self.config, self._node_weights(measure))
         self._check_memory()
         own = self.plan.shards[0]
-        manifests = [[(make_entry(name, t), t) for name, t in shard_tensors(self.model_file, shard)]
+        manifests = [[(make_entry(name, t), t) for name, t in shard_tensors(self.model_file, shard, self.sync_mode)]
                      for shard in self.plan.shards[1:]]
         total = sum(e.nbytes for m in manifests for e, _ in m)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"sending weights to {len(self.workers)} worker(s)",
                   disable=not self.progress or total == 0) as bar:
             await asyncio.gather(*(self._send_setup(w, s, m, bar)
                                    for w, s, m in zip(self.workers, self.plan.shards[1:], manifests)))
-        model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own), self.ctx_size,
-                           wide_partials=self.sync_dtype == "f64")
+        model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own, self.sync_mode),
+                           self.ctx_size, projection_of(self.sync_mode, self.sync_dtype, self.plan.shards,
+                                                        self.config.head_dim))
         self.group = None
         if self.workers:
             for w in self.workers:
@@ -202,7 +204,7 @@ class ClusterEngine(Engine):
     def _check_memory(self) -> None:
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
         for (name, available), shard in zip(nodes, self.plan.shards):
-            weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard))
+            weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync_mode))
             kv_cache = 2 * self.config.n_layers * shard.n_kv_heads * self.config.head_dim * self.ctx_size * 2
             if available is not None and weights + kv_cache > available:
                 raise DllamaError(f"model too big for the plan: {name} needs {(weights + kv_cache) / 1e6:.0f} MB "
@@ -212,7 +214,8 @@ class ClusterEngine(Engine):
     async def _send_setup(self, w: WorkerInfo, shard, manifest, bar) -> None:
         setup = {"session": self.session, "rank": w.rank, "world": self.n_nodes,
                  "addrs": [None] + [list(x.address) for x in self.workers], "algo": self.sync_name,
-                 "sync_dtype": self.sync_dtype, "config": self.config.to_dict(), "shard": shard.to_dict(),
+                 "sync_dtype": self.sync_dtype, "sync_mode": self.sync_mode, "config": self.config.to_dict(),
+                 "shards": [s.to_dict() for s in self.plan.shards],
                  "ctx_size": self.ctx_size, "spin": self.spin, "manifest": [e.to_dict() for e, _ in manifest]}
         await w.conn.send_msg(P.SETUP, setup)
         _kind, need = await self._expect(w, P.NEED)

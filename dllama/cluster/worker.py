@@ -22,7 +22,7 @@ from ..plan import Shard
 from ..sampling import SamplingParams
 from ..sync import init_process_group
 from . import protocol as P
-from .node import NodeStep, measure_speed, mem_available, rss_mb
+from .node import NodeStep, measure_speed, mem_available, projection_of, rss_mb
 from .slice_cache import SliceCache
 from .slices import TensorEntry, checksum, from_bytes
 
@@ -150,15 +150,17 @@ class _Session:
             spin=msg.get("spin"))
         step.group = self.group
         await conn.send_msg(P.READY, {"rss_mb": rss_mb(), "load_s": time.perf_counter() - t0, "cached": cached})
-        log.info("session %s: rank %d of %d, %s sync (%s), ready", self.session_id, msg["rank"], msg["world"],
-                 msg["algo"], msg["sync_dtype"])
+        log.info("session %s: rank %d of %d, %s sync (%s, %s), ready", self.session_id, msg["rank"], msg["world"],
+                 msg["algo"], msg["sync_mode"], msg["sync_dtype"])
         await self._serve_steps(step, ModelConfig.from_dict(msg["config"]).dim)
 
     async def _load(self, setup: dict) -> tuple[NodeStep, int]:
         conn = self.conn
         self.session_id = self.worker.session_id = str(setup["session"])
         config = ModelConfig.from_dict(setup["config"])
-        shard = Shard.from_dict(setup["shard"])
+        shards = [Shard.from_dict(d) for d in setup["shards"]]
+        shard = shards[int(setup["rank"])]
+        projection = projection_of(setup["sync_mode"], setup["sync_dtype"], shards, config.head_dim)
         entries = [TensorEntry.from_dict(e) for e in setup["manifest"]]
         need = sum(e.nbytes for e in entries) + 4 * config.n_layers * shard.n_kv_heads * config.head_dim * int(setup["ctx_size"])
         if self.worker.max_memory is not None and need > self.worker.max_memory:
@@ -180,7 +182,7 @@ class _Session:
             self.worker.cache.store(e, raw)
             tensors[e.name] = from_bytes(e, raw)
         weights = ShardWeights.from_tensors(tensors)
-        model = ShardModel(config, shard, weights, int(setup["ctx_size"]), wide_partials=setup["sync_dtype"] == "f64")
+        model = ShardModel(config, shard, weights, int(setup["ctx_size"]), projection)
         log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(entries),
                  len(entries) - len(missing), weights.nbytes / 1e6)
         return NodeStep(model, None, setup["sync_dtype"]), len(entries) - len(missing)

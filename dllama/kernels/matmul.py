@@ -167,6 +167,18 @@ class Activations:
         self.x = x[None, :] if x.ndim == 1 else x
         self._q8 = self._f16 = None
 
+    @classmethod
+    def from_q8(cls, q8: Q8Activations) -> "Activations":
+        """Activations known only in their Q8 form (gathered from other nodes as blocks): they
+        feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
+        self = cls.__new__(cls)
+        self.x, self._q8, self._f16 = None, q8, None
+        return self
+
+    @property
+    def tokens(self) -> int:
+        return (self.x if self.x is not None else self._q8.q).shape[0]
+
     @property
     def q8(self) -> Q8Activations:
         if self._q8 is None:
@@ -190,11 +202,13 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
             return matmul(w, qtype, Activations(x), None if out is None else out[None, :], wide)[0]
         x = Activations(x)
     if out is None:
-        out = np.empty((x.x.shape[0], w.shape[0]), np.float64 if wide else np.float32)
+        out = np.empty((x.tokens, w.shape[0]), np.float64 if wide else np.float32)
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)
         return out
+    if x.x is None:
+        raise ValueError(f"a {QType(qtype).name} matmul needs float activations, not Q8 blocks")
     if wide:
         if qtype == QType.F16:
             _mm_f16_wide(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16

@@ -84,7 +84,8 @@ class ServerState:
         body = {"status": "error" if problem else "ok", "model": self.config.model_name,
                 "nodes": sum(n["up"] for n in nodes),
                 "node_status": {n["node"]: "up" if n["up"] else "down" for n in nodes},
-                "sync": engine.sync_name, "sync_dtype": engine.sync_dtype, "context": engine.ctx_size,
+                "sync": engine.sync_name, "sync_dtype": engine.sync_dtype, "sync_mode": engine.sync_mode,
+                "context": engine.ctx_size,
                 "queue_length": self.queue_length(), "running": self.running()}
         if problem:
             body["error"] = problem
@@ -215,7 +216,8 @@ class ServerState:
         engine = self.engine
         nodes = self.nodes()
         info = {"model": self.config.model_name or "", "version": __version__,
-                "sync": getattr(engine, "sync_name", ""), "sync_dtype": getattr(engine, "sync_dtype", "")}
+                "sync": getattr(engine, "sync_name", ""), "sync_dtype": getattr(engine, "sync_dtype", ""),
+                "sync_mode": getattr(engine, "sync_mode", "")}
         families = self.metrics.families(
             ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=len(getattr(engine, "events", ())),
