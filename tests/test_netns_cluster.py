@@ -1,6 +1,7 @@
 """Multi-host cluster: the root and 3 workers each in their own network namespace (own address
 10.77.0.1-4 on a bridge), started with the real CLI; a chat answer across the 4 hosts, once on
-plain veth links and once with every link shaped to 100 Mbit (tc tbf). Skips cleanly where
+plain veth links and once with every link shaped to 100 Mbit (tc tbf), in gather mode with Q8
+gathers, which must give exactly the 1-node answer. Skips cleanly where
 namespaces cannot be made."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _root(bed, *args, input=None, timeout=600):
 
 
 QUESTION = "Write one sentence about lighthouses.\n"
-CHAT = ["chat", "--temperature", "0", "--max-tokens", "24", "--sync-dtype", "f64"]
+CHAT = ["chat", "--temperature", "0", "--max-tokens", "24"]
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,10 @@ def one_node_chat():
 
 def test_chat_across_four_hosts(hosts, one_node_chat):
     bed, rate = hosts
-    r = _root(bed, *CHAT, "--sync", "ring", input=QUESTION)
+    r = _root(bed, *CHAT, "--sync", "ring", "--sync-mode", "gather", "--sync-dtype", "q80", input=QUESTION)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "4 node(s) (ring sync, f64)" in r.stderr
-    assert r.stdout == one_node_chat and len(r.stdout.split()) >= 5  # f64 sync: the 1-node answer
+    assert "4 node(s) (ring sync, gather, q80)" in r.stderr
+    assert r.stdout == one_node_chat and len(r.stdout.split()) >= 5  # gather mode: exactly the 1-node answer
 
 
 def test_inference_report_across_four_hosts(hosts):
