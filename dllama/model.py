@@ -70,7 +70,8 @@ _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "w
           "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
 
 
-def shard_tensors(model: GGUFModel, shard: Shard, mode: str = "reduce") -> Iterator[tuple[str, Matrix | np.ndarray]]:
+def shard_tensors(model: GGUFModel, shard: Shard,
+                  mode: str = "reduce") -> Iterator[tuple[str, Matrix | np.ndarray]]:
     """(name, tensor) for every tensor of a shard, cut from the full model. Names are the GGUF
     names without '.weight'; the LM head is always 'output'. mode: how Wo and W2 are cut
     (reduce: by the columns of this node's heads / hidden units; gather: by its output rows)."""
@@ -87,11 +88,12 @@ def shard_tensors(model: GGUFModel, shard: Shard, mode: str = "reduce") -> Itera
         yield f"blk.{i}.attn_q", m("attn_q").row_slice(q0, q1)
         yield f"blk.{i}.attn_k", m("attn_k").row_slice(k0, k1)
         yield f"blk.{i}.attn_v", m("attn_v").row_slice(k0, k1)
-        yield f"blk.{i}.attn_output", m("attn_output").row_slice(*shard.rows) if by_rows else m("attn_output").col_slice(q0, q1)
+        wo, w_down = m("attn_output"), m("ffn_down")
+        yield f"blk.{i}.attn_output", wo.row_slice(*shard.rows) if by_rows else wo.col_slice(q0, q1)
         yield f"blk.{i}.ffn_norm", model.vector(model.layer_name(i, "ffn_norm"))
         yield f"blk.{i}.ffn_gate", m("ffn_gate").row_slice(f0, f1)
         yield f"blk.{i}.ffn_up", m("ffn_up").row_slice(f0, f1)
-        yield f"blk.{i}.ffn_down", m("ffn_down").row_slice(*shard.rows) if by_rows else m("ffn_down").col_slice(f0, f1)
+        yield f"blk.{i}.ffn_down", w_down.row_slice(*shard.rows) if by_rows else w_down.col_slice(f0, f1)
     yield "output_norm", model.vector("output_norm.weight")
     yield "output", model.matrix(model.lm_head_name).row_slice(*shard.vocab)
     freqs = model.rope_freq_factors()
