@@ -114,7 +114,7 @@ async def _gather_q8(mine: Q8Activations, counts, comm: Collectives) -> Q8Activa
         q.append(rows[:, :n].view(np.int8))
         d.append(rows[:, n:n + n // 16].view(np.float16))
         ds.append(rows[:, n + n // 16:].view(np.float16))
-    return Q8Activations(np.ascontiguousarray(np.concatenate(q, axis=1)),
+    return Q8Activations(np.concatenate(q, axis=1),
                          np.concatenate(d, axis=1).astype(np.float32), np.concatenate(ds, axis=1).astype(np.float32))
 
 
