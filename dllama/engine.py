@@ -57,9 +57,6 @@ class Engine:
 
     def __init__(self):
         self.context: list[int] = []  # the tokens in the KV cache, in order
-        # how the cache was built: (tokens, one-token order) per forward pass, so that it can be
-        # rebuilt bit for bit (attention sums in another order for a single token)
-        self.segments: list[tuple[int, bool]] = []
         self.stats = StepStats()
         self.lock = asyncio.Lock()  # one generation at a time drives the engine
 
@@ -74,13 +71,11 @@ class Engine:
             chunk = tokens[i:i + PREFILL_CHUNK]
             last = i + len(chunk) == len(tokens)
             chunk_targets = None if targets is None else targets[i:i + len(chunk)]
-            one_token = len(chunk) == 1
             if chunk_targets is None and not last:
-                await self._forward(chunk, self.n_cached, params, recent, None, False, one_token)
+                await self._forward(chunk, self.n_cached, params, recent, None, False)
             else:
-                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, True, one_token)
+                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, True)
             self.context += chunk
-            self.segments.append((len(chunk), one_token))
         return out
 
     async def warm_up(self) -> None:
@@ -96,13 +91,6 @@ class Engine:
     def rewind(self, n_tokens: int) -> None:
         """Forget the context after its first n_tokens (the cache is overwritten from there)."""
         del self.context[n_tokens:]
-        kept, total = [], 0
-        for n, one_token in self.segments:
-            if total >= n_tokens:
-                break
-            kept.append((min(n, n_tokens - total), one_token))
-            total += kept[-1][0]
-        self.segments = kept
 
     async def on_request(self) -> None:
         """Called before each generation (a cluster may re-admit workers that came back)."""
@@ -111,8 +99,7 @@ class Engine:
         """Every node, whether it takes part, and its figures of the last step."""
         return [{"node": "root", "up": True, "rank": 0}]
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits,
-                       one_token: bool) -> list[list[LogitSummary]]:
+    async def _forward(self, tokens, start, params, recent, targets, want_logits) -> list[list[LogitSummary]]:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -146,20 +133,20 @@ class LocalEngine(Engine):
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="dllama-compute",
                                            initializer=numba.set_num_threads, initargs=(numba.get_num_threads(),))
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits, one_token):
+    async def _forward(self, tokens, start, params, recent, targets, want_logits):
         # in a thread, so that the event loop (an API server's health checks, a client's
         # disconnect) stays responsive during a long step; the kernels release the GIL. Always
         # the same thread: OpenMP keeps a team of workers per calling thread.
         return await asyncio.get_running_loop().run_in_executor(
-            self._compute, self._forward_sync, tokens, start, params, recent, targets, want_logits, one_token)
+            self._compute, self._forward_sync, tokens, start, params, recent, targets, want_logits)
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False)
 
-    def _forward_sync(self, tokens, start, params, recent, targets, want_logits, one_token):
+    def _forward_sync(self, tokens, start, params, recent, targets, want_logits):
         t0 = time.perf_counter()
         x = self.embedding.row_values(np.asarray(tokens))
-        h = _run_to_end(self.model.forward(x, start, one_token=one_token))
+        h = _run_to_end(self.model.forward(x, start))
         summaries = []
         if want_logits:
             rows = h if targets is not None else h[-1:]

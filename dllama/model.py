@@ -120,11 +120,11 @@ class ShardModel:
         self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
         self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
 
-    async def forward(self, x: np.ndarray, start: int, comm: Collectives = ALONE,
-                      one_token: bool | None = None) -> np.ndarray:
+    async def forward(self, x: np.ndarray, start: int, comm: Collectives = ALONE) -> np.ndarray:
         """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every
         layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every
-        node. one_token: the attention's summation order (see kernels.ops.attention)."""
+        node. Every kernel sums a token's values in one order whatever T is, so a token's result
+        does not depend on how the tokens were split into forward passes."""
         cfg, hd = self.config, self.config.head_dim
         T = x.shape[0]
         if start + T > self.ctx_size:
@@ -144,7 +144,7 @@ class ShardModel:
                 rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors)
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
                 v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
-                att = attention(q, k_cache, v_cache, self.kv_of_head, start, one_token).reshape(T, nq * hd)
+                att = attention(q, k_cache, v_cache, self.kv_of_head, start).reshape(T, nq * hd)
             else:
                 att = np.zeros((T, 0), np.float32)
             x += await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads

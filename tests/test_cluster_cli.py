@@ -226,11 +226,15 @@ def test_uneven_and_measured_weights_give_the_same_answer(workers, one_node_toke
 
 
 def test_chat_and_perplexity_across_nodes():
-    chat = run_dllama("chat", "--local-workers", "2", "--temperature", "0", "--max-tokens", "24",
-                      input="What is the capital of France?\nAnd of Italy?\n")
-    assert chat.returncode == 0, chat.stderr
-    answers = [line for line in chat.stdout.splitlines() if line.strip()]
-    assert len(answers) >= 2 and "Paris" in chat.stdout
+    """Two turns of chat on 3 nodes in gather mode print exactly the 1-node answers (whatever
+    this CPU's llama.cpp would say); perplexity on 3 nodes in f64 is the 1-node figure."""
+    questions = "What is the capital of France?\nAnd of Italy?\n"
+    chat = run_dllama("chat", "--local-workers", "2", "--sync-mode", "gather", "--temperature", "0",
+                      "--max-tokens", "24", input=questions)
+    alone = run_dllama("chat", "--temperature", "0", "--max-tokens", "24", input=questions)
+    assert chat.returncode == alone.returncode == 0, chat.stderr + alone.stderr
+    assert len([line for line in chat.stdout.splitlines() if line.strip()]) >= 2
+    assert chat.stdout == alone.stdout
     one = json_report(run_dllama("perplexity", "-f", "tests/data/lighthouse.txt", "--max-tokens", "96",
                                  "--sync-dtype", "f64", "--json"))
     three = json_report(run_dllama("perplexity", "-f", "tests/data/lighthouse.txt", "--max-tokens", "96",
@@ -245,3 +249,48 @@ def test_root_carries_on_alone_when_its_only_worker_dies(workers, one_node_answe
     assert r.returncode == 0, r.stderr
     assert r.stdout == PROMPT + one_node_answer["text"] + "\n"
     assert re.search(r"recovered in [\d.]+ s: 1 node", r.stderr), r.stderr
+
+
+@pytest.mark.slow
+def test_idle_chat_keeps_its_workers(workers):
+    """A user who thinks for 120 s (4x the 30 s timeout) between two messages: the connections
+    stay alive on heartbeats, so the worker logs nothing meanwhile, the root does not re-plan,
+    and no weights are sent again (one session, set up once)."""
+    (worker,) = workers(1)
+    log: list[tuple[float, str]] = []  # (time, line) of the worker's log
+    log_reader = threading.Thread(target=lambda: log.extend((time.monotonic(), line) for line in worker.proc.stderr),
+                                  daemon=True)
+    log_reader.start()
+    chat = subprocess.Popen(DLLAMA + ["chat", "--workers", worker.address, "--temperature", "0", "--max-tokens", "8",
+                                      "--threads", "1", "--timeout", "30"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        chat.stdin.write("Hi!\n")
+        chat.stdin.flush()
+        deadline = time.monotonic() + 120
+        while "\n" not in "".join(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "\n" in "".join(out), "no first answer"
+        time.sleep(2)  # the first answer's last log lines
+        idle_from = time.monotonic()
+        time.sleep(120)
+        idle_to, answered = time.monotonic(), len("".join(out))
+        chat.stdin.write("And what is 2+2?\n")
+        chat.stdin.close()
+        assert chat.wait(120) == 0
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    reader.join(10)
+    err = chat.stderr.read()
+    assert len("".join(out)) > answered, "no second answer"
+    assert "re-plan" not in err and "Traceback" not in err, err
+    worker.proc.terminate()
+    log_reader.join(10)
+    text = "".join(line for _t, line in log)
+    assert not [line for t, line in log if idle_from <= t <= idle_to], text  # silent while the user thinks
+    assert text.count("connected") == 1 and text.count("tensors (") == 1, text  # one session, weights sent once
+    assert not re.search(r"no reply|sent nothing|ended|failed|WARNING", text), text

@@ -356,3 +356,34 @@ def test_softmax_equals_reference(n):
     got = softmax(x)
     assert np.allclose(got, softmax_ref(x), rtol=1e-5, atol=1e-7)
     assert np.allclose(got.sum(axis=-1), 1.0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ batch invariance
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_rows_do_not_depend_on_the_batch(qtype):
+    """Each token's output row is the same bits computed alone or among 1..16 others (odd width:
+    the F16/F32 tails too)."""
+    cols = 320 if qtype not in (QType.F16, QType.F32) else 301
+    w = weight_matrix(qtype, 33, cols, seed=5)
+    x = activations(17, cols, seed=6)
+    batched = matmul(w.data, qtype, x)
+    for t in range(17):
+        np.testing.assert_array_equal(matmul(w.data, qtype, x[t]), batched[t])
+    np.testing.assert_array_equal(matmul(w.data, qtype, x[4:11]), batched[4:11])
+
+
+@pytest.mark.parametrize("D", [64, 80])  # 80: the f64 tail past the last multiple of 32
+def test_attention_rows_do_not_depend_on_the_batch(D):
+    """A prefill of T queries gives, per token, the bits of that token computed alone after the
+    same cache (the one-token order), and any split of the chunk gives the same."""
+    rng = np.random.default_rng(D)
+    T, start, Hq, Hkv, ctx = 23, 9, 6, 2, 64
+    k, v = _kv(rng, Hkv, ctx, D, start + T)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    kv_of_head = np.arange(Hq) // (Hq // Hkv)
+    batched = attention(q, k, v, kv_of_head, start)
+    for t in range(T):
+        np.testing.assert_array_equal(attention(q[t:t + 1], k, v, kv_of_head, start + t)[0], batched[t])
+    np.testing.assert_array_equal(attention(q[5:12], k, v, kv_of_head, start + 5), batched[5:12])

@@ -31,8 +31,9 @@ def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory
     from ..cluster.worker import serve
     from ..kernels import set_threads
 
+    # force: the command group already set a warnings-only handler, which hid the worker's log
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s worker %(message)s", datefmt="%H:%M:%S")
+                        format="%(asctime)s worker %(message)s", datefmt="%H:%M:%S", force=True)
     threads = set_threads(threads)
 
     def announce(h, p):

@@ -52,10 +52,10 @@ class NodeStep:
         return await self.group.all_gather(part, counts=counts)
 
     async def run(self, x: np.ndarray, start: int, logits: str, params: SamplingParams, recent: list[int],
-                  targets: list[int] | None, one_token: bool | None = None) -> list[LogitSummary]:
+                  targets: list[int] | None) -> list[LogitSummary]:
         """Forward the tokens whose embeddings are x (T, dim) at positions start..; summarize the
         logits of no position, the last one, or all of them (logits = "none" | "last" | "all")."""
-        h = await self.model.forward(x, start, self, one_token)
+        h = await self.model.forward(x, start, self)
         if logits == "none":
             return []
         rows = h if logits == "all" else h[-1:]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from ..engine import Engine
+from ..engine import PREFILL_CHUNK, Engine
 from ..errors import DllamaError, NetworkError, PeerClosed
 from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, shard_tensors
@@ -265,14 +265,12 @@ class ClusterEngine(Engine):
         self._event(f"{error}; re-planning onto the nodes that still answer")
         await self._teardown(reason=f"the root re-plans after: {error}")
         await self._build([w.address for w in self.workers], tolerate_missing=True)
-        # the same forward passes as before, so the rebuilt cache is the one that was lost
+        # the kernels are batch-invariant: any chunking rebuilds the cache that was lost, bit for bit
         position = 0
-        for n, one_token in self.segments:
-            if position >= start:
-                break
-            n = min(n, start - position)
+        while position < start:
+            n = min(PREFILL_CHUNK, start - position)
             await self._step(self.context[position:position + n], position, SamplingParams(temperature=0.0), [],
-                             None, False, one_token)
+                             None, False)
             position += n
         self._event(f"recovered in {time.perf_counter() - t0:.1f} s: {self.n_nodes} node(s), "
                     f"{position} token(s) of context replayed")
@@ -297,14 +295,14 @@ class ClusterEngine(Engine):
 
     # ------------------------------------------------------------------ steps
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits, one_token):
+    async def _forward(self, tokens, start, params, recent, targets, want_logits):
         attempts = len(self.addresses) + 1  # each failure costs a node, so this bounds the retries
         failure = None
         while True:
             try:
                 if failure is not None:
                     await self._recover(failure, start)
-                return await self._step(tokens, start, params, recent, targets, want_logits, one_token)
+                return await self._step(tokens, start, params, recent, targets, want_logits)
             except NetworkError as e:
                 attempts -= 1
                 if not self.recover or attempts < 0:
@@ -312,17 +310,17 @@ class ClusterEngine(Engine):
                     raise
                 failure = e
 
-    async def _step(self, tokens, start, params, recent, targets, want_logits, one_token):
+    async def _step(self, tokens, start, params, recent, targets, want_logits):
         t0 = time.perf_counter()
         sync0 = self.group.stats if self.group is not None else None
         x = self.embedding.row_values(np.asarray(tokens))
         logits = "none" if not want_logits else ("all" if targets is not None else "last")
         packed = pack_msg({"start": start, "n": len(tokens), "logits": logits, "params": params.to_dict(),
-                           "recent": list(recent), "targets": targets, "one_token": one_token})
+                           "recent": list(recent), "targets": targets})
         for w in self.workers:
             w.conn.write_frame(P.FORWARD, packed)
             w.conn.write_frame(P.ACTIVATIONS, x)
-        own = await self.step.run(x, start, logits, params, list(recent), targets, one_token)
+        own = await self.step.run(x, start, logits, params, list(recent), targets)
         replies = await asyncio.gather(*(self._expect(w, P.RESULT) for w in self.workers))
         per_worker = []
         for w, (_kind, reply) in zip(self.workers, replies):

@@ -190,7 +190,9 @@ class _Session:
     async def _serve_steps(self, step: NodeStep, dim: int) -> None:
         conn = self.conn
         while True:
-            _kind, msg = await self._recv((P.FORWARD,), self.worker.timeout)
+            # no deadline for the next step: a user may think for minutes. The connection's
+            # watchdog still fails a root that stops sending anything, heartbeats included.
+            _kind, msg = await self._recv((P.FORWARD,), None)
             n = int(msg["n"])
             x = np.empty((n, dim), np.float32)
             await conn.recv_array(x, kind=P.ACTIVATIONS, timeout=self.worker.timeout)
@@ -198,7 +200,7 @@ class _Session:
             t0 = time.perf_counter()
             params = SamplingParams(**msg["params"])
             summaries = await step.run(x, int(msg["start"]), msg["logits"], params, msg.get("recent") or [],
-                                       msg.get("targets"), msg.get("one_token"))
+                                       msg.get("targets"))
             stats = self.group.stats
             await conn.send_msg(P.RESULT, {
                 "summaries": [s.to_wire() for s in summaries],

@@ -17,11 +17,14 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType
-from .simd import (dot_f16_f16, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q8_0_q8,
+from .simd import (dot_f16_f16_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q8_0_q8,
                    dot_q8_0_q8_wide)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
-F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+# every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
+# and flags it ("invalid value encountered in cast"); they stay NaNs, so the flag is noise.
+with np.errstate(invalid="ignore"):
+    F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def round_f16(a: np.ndarray) -> np.ndarray:
@@ -102,18 +105,31 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
                 out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
 
 
+@njit(nogil=True, cache=CACHE)
+def dot_f16(a, a_offset, b, b_offset, n):
+    """sum(a[a_offset:+n] * b[b_offset:+n]) of two flat f16 vectors (uint16 arrays of f16 bits), in the
+    order of llama.cpp's single-token routine ggml_vec_dot_f16 (its decode path), plus a float64
+    tail past the last multiple of 32 as it adds one. The F16 matmul and the attention use it for
+    every token, so a token's result does not depend on how many are computed together."""
+    main = n - n % 32
+    total = np.float64(dot_f16_f16_vec(a, a_offset, b, b_offset, main))
+    for i in range(main, n):
+        total += np.float64(F16_TO_F32[a[a_offset + i]] * F16_TO_F32[b[b_offset + i]])
+    return np.float32(total)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_f16(w, x16, tbl, out):
+def _mm_f16(w, x16, out):
     rows, cols = w.shape
     T = x16.shape[0]
     row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
-    vec_end = cols - cols % 8
+    main = cols - cols % 32
     for r in prange(rows):
-        for t in range(T):
-            acc = dot_f16_f16(w, r * row_stride, x16, t * cols, vec_end)
-            for c in range(vec_end, cols):
-                acc += tbl[w[r, c]] * tbl[x16[t, c]]
-            out[t, r] = acc
+        for t in range(T):  # as dot_f16 (whose tail indexing wants flat arrays)
+            total = np.float64(dot_f16_f16_vec(w, r * row_stride, x16, t * cols, main))
+            for c in range(main, cols):
+                total += np.float64(F16_TO_F32[w[r, c]] * F16_TO_F32[x16[t, c]])
+            out[t, r] = np.float32(total)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE, fastmath=True)
@@ -216,7 +232,7 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
             _mm_f32_wide(w, x.x, out)
         return out
     if qtype == QType.F16:
-        _mm_f16(w.view(np.uint16), x.f16_bits, F16_TO_F32, out)
+        _mm_f16(w.view(np.uint16), x.f16_bits, out)
     elif qtype == QType.F32:
         _mm_f32(w, x.x, out)
     else:

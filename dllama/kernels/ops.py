@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .matmul import CACHE, F16_TO_F32, round_f16
-from .simd import dot_f16_f16, dot_f16_f16_vec, f16_bits, f32_bits, f32_from_bits, fma, hsum8
+from .matmul import CACHE, dot_f16, round_f16
+from .simd import f16_bits, f32_bits, f32_from_bits, fma, hsum8
 
 # ------------------------------------------------------------------ RMSNorm
 
@@ -221,26 +221,14 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ attention
 
 
-@njit(nogil=True, cache=CACHE)
-def _dot_f16(a, a_offset, b, b_offset, n, one_token):
-    """f16 dot product in the order llama.cpp uses: its batched routine for a prompt, its vector
-    routine (plus a float64 tail past the last multiple of 32) for a single token."""
-    if not one_token:
-        return dot_f16_f16(a, a_offset, b, b_offset, n)
-    main = n - n % 32
-    total = np.float64(dot_f16_f16_vec(a, a_offset, b, b_offset, main))
-    for i in range(main, n):
-        total += np.float64(F16_TO_F32[a[a_offset + i]] * F16_TO_F32[b[b_offset + i]])
-    return np.float32(total)
-
-
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, one_token, out):
+def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, out):
     """Causal attention of the queries at positions start..start+T-1.
     q16 (T, Hq, D), k_cache (Hkv, ctx, D), v_cache_t (Hkv, D, ctx): f16 bits, flattened and
     addressed by offsets (a per-row view would cost an atomic reference count update in the
-    parallel loop); out (T, Hq, D) f32. one_token: use llama.cpp's single-token summation order."""
-    pad = 32 if one_token else 8  # GGML's masked cells add exact zeros past n
+    parallel loop); out (T, Hq, D) f32. Each (token, head) is computed as llama.cpp computes a
+    single token, whatever T is: the result does not depend on how the tokens were batched."""
+    pad = 32  # the vector dot's step; the masked cells past n add exact zeros, as GGML's
     for job in prange(T * Hq):
         t, h = job // Hq, job % Hq
         kv = kv_of_head[h]
@@ -248,30 +236,29 @@ def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale,
         n_pad = min((n + pad - 1) // pad * pad, ctx)
         weights = np.zeros(n_pad, np.float32)
         for s in range(n):
-            weights[s] = _dot_f16(k_cache, (kv * ctx + s) * D, q16, (t * Hq + h) * D, D, one_token) * scale
+            weights[s] = dot_f16(k_cache, (kv * ctx + s) * D, q16, (t * Hq + h) * D, D) * scale
         _softmax_row(weights, n)
         probs16 = np.zeros(n_pad, np.uint16)
         for s in range(n):
             probs16[s] = f16_bits(weights[s])
         for d in range(D):
-            out[t, h, d] = _dot_f16(v_cache_t, (kv * D + d) * ctx, probs16, 0, n_pad, one_token)
+            out[t, h, d] = dot_f16(v_cache_t, (kv * D + d) * ctx, probs16, 0, n_pad)
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache_t: np.ndarray, kv_of_head: np.ndarray,
-              start: int, one_token: bool | None = None) -> np.ndarray:
+              start: int) -> np.ndarray:
     """q (T, Hq, D) at positions start.., k_cache (Hkv, ctx, D) and transposed v_cache_t
     (Hkv, D, ctx), both float16, ctx a multiple of 32 -> (T, Hq, D) float32.
-    kv_of_head[h] is the cache head that query head h reads (GQA). one_token (default: T == 1)
-    picks llama.cpp's summation order for one token instead of its batched one; replaying a cache
-    says which order built it."""
+    kv_of_head[h] is the cache head that query head h reads (GQA). Batch-invariant: every query
+    is summed in llama.cpp's one-token order (its decode), so a row of the result is the same
+    bits whether computed alone or with other tokens."""
     T, Hq, D = q.shape
     if D % 8 or k_cache.shape[1] % 32:
         raise ValueError("head dimension must be a multiple of 8, cache length of 32")
     out = np.empty((T, Hq, D), np.float32)
     scale = np.float32(1.0) / np.sqrt(np.float32(D))
     _attention(q.astype(np.float16).view(np.uint16).reshape(-1), k_cache.view(np.uint16).reshape(-1),
-               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale,
-               T == 1 if one_token is None else bool(one_token), out)
+               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale, out)
     return out
 
 

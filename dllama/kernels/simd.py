@@ -173,34 +173,10 @@ dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
 
 
 @intrinsic
-def dot_f16_f16(typingctx, a, a_offset, b, b_offset, n):
-    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), n a
-    multiple of 8, products and sums in f32 on 8 lanes (GGML's tinyBLAS f16 order)."""
-    sig = types.float32(a, a_offset, b, b_offset, n)
-
-    def codegen(context, builder, signature, args):
-        a_arr, a_off, b_arr, b_off, count = args
-        a_ptr = builder.gep(_data_ptr(context, builder, signature.args[0], a_arr), [a_off])
-        b_ptr = builder.gep(_data_ptr(context, builder, signature.args[2], b_arr), [b_off])
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), None))
-        builder.store(ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES), acc_slot)
-        n_chunks = builder.sdiv(count, ir.Constant(count.type, _LANES))
-        with cgutils.for_range(builder, n_chunks) as loop:
-            offset = builder.mul(loop.index, ir.Constant(_I64, 2 * _LANES))
-            av = builder.fpext(builder.bitcast(_load_at(builder, a_ptr, offset, _I16, _LANES), _vec(_F16, _LANES)),
-                               _vec(_F32, _LANES))
-            bv = builder.fpext(builder.bitcast(_load_at(builder, b_ptr, offset, _I16, _LANES), _vec(_F16, _LANES)),
-                               _vec(_F32, _LANES))
-            builder.store(_fmuladd(builder, av, bv, builder.load(acc_slot)), acc_slot)
-        return _hsum8(builder, builder.load(acc_slot))
-
-    return sig, codegen
-
-
-@intrinsic
 def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
-    """Like dot_f16_f16, in the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the
-    other operand is a single vector (one token): four 8-lane accumulators over steps of 32
+    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), in
+    the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the other operand is a single
+    vector (one token), products and sums in f32: four 8-lane accumulators over steps of 32
     elements, summed (s0+s2)+(s1+s3), then t_k = s_k + s_k+4, then (t0+t1)+(t2+t3).
     n must be a multiple of 32 (the caller adds any tail)."""
     sig = types.float32(a, a_offset, b, b_offset, n)

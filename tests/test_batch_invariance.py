@@ -1,0 +1,85 @@
+"""Batch invariance: a token's logits are the same bits however its tokens were grouped into
+forward passes (alone, in prefill chunks of any size, after a cached prefix) and, in gather mode,
+on any number of nodes. Every kernel sums a (row, token) value in the one-token order; these
+tests would fail if any path summed a batch in another order (as the attention did before, in
+llama.cpp's batched order for 2+ tokens).
+
+The synthetic-model tests need no llama.cpp, so they also run on aarch64 under emulation
+(tests/test_aarch64.py), where the kernels take their NEON path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dllama.gguf_model import GGUFModel
+from dllama.sampling import SamplingParams
+
+from .engine_helpers import our_logits, text
+
+pytestmark = pytest.mark.usefixtures("one_compute_thread")
+
+CHUNKS = (1, 7, 64, 512)
+N_TEXT_TOKENS = 520
+
+
+def _assert_all_equal(by_chunk: dict[int, np.ndarray]) -> None:
+    (first, ref), *rest = by_chunk.items()
+    for chunk, logits in rest:
+        differ = np.flatnonzero((logits != ref).any(axis=-1))
+        assert differ.size == 0, f"chunks of {chunk} vs {first}: positions {differ[:10].tolist()} differ"
+
+
+@pytest.fixture(scope="module")
+def text_tokens(tokenizer) -> list[int]:
+    tokens = tokenizer.encode(text())[:N_TEXT_TOKENS]
+    assert len(tokens) == N_TEXT_TOKENS
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def logits_by_chunk(gguf_model, text_tokens) -> dict[int, np.ndarray]:
+    from dllama.net import run
+
+    return {chunk: run(our_logits(gguf_model, text_tokens, chunk=chunk)) for chunk in CHUNKS}
+
+
+def test_default_model_logits_do_not_depend_on_chunking(logits_by_chunk):
+    assert logits_by_chunk[1].shape == (N_TEXT_TOKENS, 49152)
+    _assert_all_equal(logits_by_chunk)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_workers,chunk", [(1, 7), (2, 64), (3, 512), (4, 1)])
+async def test_gather_mode_cluster_gives_the_one_node_logits(gguf_model, text_tokens, logits_by_chunk,
+                                                            n_workers, chunk):
+    """Root + n workers over loopback, fed `chunk` tokens per call (the engine cuts at 256): the
+    logit of every position's next token, and its best token, are the 1-node bits."""
+    from .cluster_helpers import in_process_cluster
+
+    tokens = text_tokens if chunk > 1 else text_tokens[:96]  # 1 token per step: a shorter run
+    reference = logits_by_chunk[1]
+    greedy = SamplingParams(temperature=0.0)
+    async with in_process_cluster(gguf_model, n_workers, sync_mode="gather", sync_dtype="f32",
+                                  ctx=N_TEXT_TOKENS + 32) as (engine, _):
+        positions = []
+        for start in range(0, len(tokens) - 1, chunk):
+            stop = min(start + chunk, len(tokens) - 1)
+            positions += await engine.feed(tokens[start:stop], greedy, targets=tokens[start + 1:stop + 1])
+    assert len(positions) == len(tokens) - 1
+    for i, per_node in enumerate(positions):
+        assert len(per_node) == n_workers + 1
+        target = next(s.target_logit for s in per_node if s.target_logit is not None)
+        assert np.float32(target) == reference[i, tokens[i + 1]], f"position {i}: target logit differs"
+        best = max(per_node, key=lambda s: (s.logits[0], -s.ids[0]))
+        assert (int(best.ids[0]), best.logits[0]) == (int(reference[i].argmax()), reference[i].max()), i
+
+
+# ------------------------------------------------------------------ synthetic models, no llama.cpp
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "F16", "Q4_0"])
+async def test_synthetic_logits_do_not_depend_on_chunking(synthetic_model, name):
+    model = GGUFModel(synthetic_model(name))
+    tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, 150).tolist()
+    _assert_all_equal({chunk: await our_logits(model, tokens, chunk=chunk) for chunk in (1, 7, 64, 150)})
