@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -165,3 +166,43 @@ def children(pid: int) -> list[int]:
         return []
     with open(path) as f:
         return [int(p) for p in f.read().split()]
+
+
+def request(base_url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+            timeout: float = 120) -> tuple[int, dict, str]:
+    """Any request with any headers: (status, headers, body text)."""
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read().decode()
+    finally:
+        conn.close()
+
+
+def raw_connect(base_url: str, timeout: float = 30):
+    """A plain TCP connection to the server, for clients no HTTP library would be."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_to_close(sock, timeout: float) -> tuple[bytes, bool]:
+    """Read until the server closes the connection (FIN or reset): (bytes read, closed in time)."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return data, False
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            return data, True
+        except socket.timeout:
+            return data, False
+        if not chunk:
+            return data, True
+        data += chunk

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
+import socket
 from dataclasses import replace
 
 import click
 from click.core import ParameterSource
 
-from .common import cluster_options, info, model_options, open_runtime, run_async, sampling_options
+from .common import cluster_options, fail, info, model_options, open_runtime, run_async, sampling_options
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 
@@ -30,22 +32,56 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="Largest request body (HTTP 413 above it).")
 @click.option("--model-name", default=None, help="Model id in /v1/models and responses (default: the GGUF's stem).")
-def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, **opts):
+@click.option("--api-key", envvar="DLLAMA_API_KEY", default=None, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every request but /health (env DLLAMA_API_KEY, which "
+                   "keeps the key out of the process list).")
+@click.option("--insecure", is_flag=True,
+              help="Allow a --host other than loopback without --api-key (anyone who reaches the port may use it).")
+@click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+              metavar="S", help="Close a connection whose request head has not arrived in S seconds (also: an idle "
+                                "kept-alive connection).")
+@click.option("--body-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              metavar="S", help="Answer 408 and close when a request body has not arrived in S seconds.")
+@click.option("--max-connections", type=click.IntRange(1), default=256, show_default=True,
+              help="Open connections at most; more are answered 503 and closed at once.")
+def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, api_key, insecure, header_timeout,
+          body_timeout, max_connections, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions, completions, models,
     /health, /metrics). A request that omits a sampling field gets OpenAI's default (temperature 1,
     top_p 1) unless the option is given here."""
     from ..server import ServerConfig
     from ..server.openai_schema import OPENAI_SAMPLING
 
+    api_key = api_key or None  # DLLAMA_API_KEY= (empty) means no key
+    if api_key is None and not _is_loopback(host):
+        if not insecure:
+            fail(f"--host {host} is not a loopback address and no API key is set: give --api-key KEY "
+                 "(or DLLAMA_API_KEY), or --insecure to let anyone who reaches the port use it")
+        info(f"warning: serving on {host} without an API key (--insecure): anyone who reaches the port may use it")
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
     config = ServerConfig(model_name=model_name, max_queue=max_queue, max_tokens_limit=max_tokens_limit,
-                          max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given))
+                          max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given), api_key=api_key,
+                          header_timeout=header_timeout, body_timeout=body_timeout, max_connections=max_connections)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)
     run_async(_serve(host, port, config, opts))
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address `host` stands for is a loopback one (127.0.0.0/8, ::1). An address
+    that cannot be resolved counts as not loopback: the check errs on the safe side."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 async def _serve(host, port, config, opts):
@@ -66,7 +102,8 @@ async def _serve(host, port, config, opts):
     loading = asyncio.ensure_future(open_runtime(opts))
     rt = None
     try:
-        info(f"dllama serve: listening on http://{host}:{bound_port(runner)} (loading {config.model_name})")
+        auth = "API key required" if config.api_key else "no API key"
+        info(f"dllama serve: listening on http://{host}:{bound_port(runner)} (loading {config.model_name}; {auth})")
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
             return

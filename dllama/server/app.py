@@ -4,11 +4,18 @@ One generation runs at a time (the engine's lock serializes them, in FIFO order)
 `max_queue` more wait for it and any beyond get a 429. A client that disconnects cancels its
 request: the server runs with aiohttp's handler cancellation, so the handler (waiting in the
 queue or generating) is cancelled and the Generator stops between two steps.
+
+Against hostile clients: a request head must arrive within `header_timeout` and a body within
+`body_timeout`, at most `max_connections` are open at once (connections.py), a JSON body may nest
+`max_json_depth` deep and hold no NaN or infinity (openai_schema.parse_json), and with an
+`api_key` every request but /health must carry it as a bearer token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -21,8 +28,9 @@ from ..errors import ContextOverflow, DllamaError
 from ..generate import Generation, Generator
 from ..sampling import SamplingParams
 from . import metrics as prom
-from .openai_schema import (OPENAI_SAMPLING, APIError, Envelope, GenerationRequest, bad_request, parse_chat,
-                            parse_completion, usage)
+from .connections import ConnectionCounts, ConnectionGuard, GuardedProtocol
+from .openai_schema import (MAX_JSON_DEPTH, OPENAI_SAMPLING, APIError, Envelope, GenerationRequest, bad_request,
+                            parse_chat, parse_completion, parse_json, usage)
 
 log = logging.getLogger("dllama.server")
 
@@ -36,6 +44,11 @@ class ServerConfig:
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask (and the default's cap)
     max_body_bytes: int = 1 << 20
     sampling: SamplingParams = field(default_factory=lambda: replace(OPENAI_SAMPLING))  # for omitted fields
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    header_timeout: float = 10.0  # seconds for a request head to arrive (and a keep-alive connection to idle)
+    body_timeout: float = 30.0  # seconds for a request body to arrive
+    max_connections: int = 256  # open at once; more are answered 503 and closed
+    max_json_depth: int = MAX_JSON_DEPTH
 
 
 class ServerState:
@@ -46,6 +59,10 @@ class ServerState:
         self.metrics = prom.Metrics()
         self.pending = 0  # admitted generation requests: the running one and those waiting
         self.last_error: str | None = None  # of the last generation, cleared by the next success
+        self.connections = ConnectionCounts()  # kept by the connection guard of start_server
+        # the key's digest: compared with the digest of what a request sends, so the comparison
+        # takes the same time whatever the lengths (hmac.compare_digest only hides the content)
+        self.key_digest = None if not config.api_key else hashlib.sha256(config.api_key.encode()).digest()
 
     def attach(self, runtime) -> None:
         """The engine is ready: start answering generation requests."""
@@ -221,8 +238,23 @@ class ServerState:
         families = self.metrics.families(
             ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=len(getattr(engine, "events", ())),
-            ctx_size=getattr(engine, "ctx_size", 0), kv_cached=getattr(engine, "n_cached", 0))
+            ctx_size=getattr(engine, "ctx_size", 0), kv_cached=getattr(engine, "n_cached", 0),
+            connections=self.connections)
         return prom.render(families)
+
+    # ------------------------------------------------------------------ authentication
+
+    def check_key(self, request: web.Request) -> None:
+        """With an API key: the request must send `Authorization: Bearer KEY` (as OpenAI's clients do)."""
+        if self.key_digest is None:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer "
+                                "auth (Authorization: Bearer YOUR_KEY).", code="invalid_api_key")
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        if not hmac.compare_digest(given, self.key_digest):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
 SERVER = web.AppKey("dllama_server", ServerState)
@@ -249,21 +281,33 @@ def _error_event(e: Exception) -> dict:
 
 
 def _json_error(err: APIError) -> web.Response:
-    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    headers = None
+    if err.status in (429, 503):
+        headers = {"Retry-After": "1"}
+    elif err.status == 401:
+        headers = {"WWW-Authenticate": 'Bearer realm="dllama"'}  # RFC 6750
     return web.json_response(err.body(), status=err.status, headers=headers, dumps=_dumps)
 
 
-async def _read_json(request: web.Request, limit: int):
+class _BodyTimeout(APIError):
+    """The body did not arrive in time: answered 408, then the connection is closed."""
+
+
+async def _read_json(request: web.Request, config: ServerConfig):
+    limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
     try:
-        raw = await request.read()  # aiohttp stops at client_max_size (a chunked body has no length)
+        # aiohttp stops at client_max_size (a chunked body has no length), but waits for the bytes
+        # as long as the client takes: a client that stalls mid-body would hold the request forever
+        raw = await asyncio.wait_for(request.read(), config.body_timeout)
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, limit) from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+    except asyncio.TimeoutError:
+        request.app[SERVER].connections.body_timeouts += 1
+        raise _BodyTimeout(408, f"The request body did not arrive within {config.body_timeout:g} s.",
+                           code="request_timeout") from None
+    return parse_json(raw, config.max_json_depth)
 
 
 def _too_large(size: int | None, limit: int) -> APIError:
@@ -277,7 +321,7 @@ def _too_large(size: int | None, limit: int) -> APIError:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[SERVER]
-    body = await _read_json(request, state.config.max_body_bytes)
+    body = await _read_json(request, state.config)
     state.require_ready()
     req = parse_chat(body, state.config.sampling, state.config.max_tokens_limit)
     return await state.generate(request, req, state.chat_prompt(req.messages))
@@ -285,7 +329,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[SERVER]
-    body = await _read_json(request, state.config.max_body_bytes)
+    body = await _read_json(request, state.config)
     rt = state.require_ready()
     req = parse_completion(body, state.config.sampling, state.config.max_tokens_limit, rt.tokenizer.vocab_size)
     return await state.generate(request, req, state.completion_prompt(req.prompt))
@@ -325,20 +369,46 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": prom.CONTENT_TYPE})
 
 
+def _needs_key(request: web.Request) -> bool:
+    """Every request but GET /health, which load balancers' probes call: the API, the metrics
+    (they name the workers' addresses) and unknown URLs, so that no spelling of a path
+    (//v1/models, /v1/./models) can slip past a list of protected prefixes."""
+    return request.match_info.handler is not health
+
+
 @web.middleware
 async def _errors_and_counts(request: web.Request, handler):
-    """Every error becomes OpenAI's JSON error body (never a traceback); every request is counted."""
+    """Every error becomes OpenAI's JSON error body (never a traceback); every request is counted.
+    The connection guard learns when a request is in the application (its header timer is off)."""
     state = request.app[SERVER]
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "other"
     status: int | str = 500
+    transport = request.transport
+    guarded = transport.get_protocol() if transport is not None else None
+    if not isinstance(guarded, GuardedProtocol):
+        guarded = None  # served some other way (an aiohttp test client, a runner of one's own)
+    if guarded is not None:
+        guarded.request_started()
     try:
+        if _needs_key(request):
+            state.check_key(request)
         resp = await handler(request)
         status = resp.status
         return resp
     except _ClientGone as e:
         status = 499
         return e.response
+    except _BodyTimeout as e:
+        status = e.status
+        log.info("%s %s: %s", request.method, request.path, e.message)
+        resp = _json_error(e)
+        resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        # close now: aiohttp would otherwise wait up to its lingering time for the rest of the body
+        request.protocol.force_close()
+        return resp
     except APIError as e:
         status = e.status
         if e.status >= 500:
@@ -372,12 +442,15 @@ async def _errors_and_counts(request: web.Request, handler):
         return _json_error(APIError(500, "Internal server error (see the server's log).", type="server_error"))
     finally:
         state.metrics.count_request(endpoint, status)
+        if guarded is not None:
+            guarded.request_finished()
 
 
 def make_app(runtime, config: ServerConfig | None = None) -> web.Application:
     """The API as an aiohttp application. `runtime` (a cli.common.Runtime) may be None: the server
-    then answers 503 until `attach(app, runtime)`. Serve it with `start_server` (or any aiohttp
-    runner with handler_cancellation=True, so that a client that disconnects cancels its request)."""
+    then answers 503 until `attach(app, runtime)`. Serve it with `start_server`, which applies the
+    connection limits (another aiohttp runner lacks them, and needs handler_cancellation=True so
+    that a client that disconnects cancels its request)."""
     config = config or ServerConfig()
     state = ServerState(config)
     if runtime is not None:
@@ -398,18 +471,40 @@ def attach(app: web.Application, runtime) -> None:
     app[SERVER].attach(runtime)
 
 
-async def start_server(app: web.Application, host: str, port: int, *, access_log: bool = True) -> web.AppRunner:
-    """Listen on host:port (0: a free port; see `bound_port`). Stop with `await runner.cleanup()`."""
+class HTTPServer:
+    """A listening API server: aiohttp's runner (the application and its request handlers) behind
+    a socket of our own whose protocol factory is the connection guard. Stop with `cleanup()`."""
+
+    def __init__(self, runner: web.AppRunner, listener: asyncio.AbstractServer, guard: ConnectionGuard):
+        self.runner, self.listener, self.guard = runner, listener, guard
+
+    @property
+    def addresses(self) -> list:
+        return [sock.getsockname() for sock in self.listener.sockets]
+
+    async def cleanup(self) -> None:
+        self.listener.close()  # no new connections
+        await self.runner.cleanup()  # running requests get SHUTDOWN_TIMEOUT, then are cancelled
+
+
+async def start_server(app: web.Application, host: str, port: int, *, access_log: bool = True) -> HTTPServer:
+    """Listen on host:port (0: a free port; see `bound_port`) with the limits of the app's
+    ServerConfig. Stop with `await server.cleanup()`.
+
+    Not a web.TCPSite: its protocol factory is aiohttp's bare one, and the guard must wrap it."""
+    config = app[SERVER].config
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
+    guard = ConnectionGuard(runner.server, header_timeout=config.header_timeout,
+                            max_connections=config.max_connections, counts=app[SERVER].connections)
     try:
-        await web.TCPSite(runner, host, port).start()
+        listener = await asyncio.get_running_loop().create_server(guard, host, port, backlog=128)
     except BaseException:
         await runner.cleanup()
         raise
-    return runner
+    return HTTPServer(runner, listener, guard)
 
 
-def bound_port(runner: web.AppRunner) -> int:
-    return runner.addresses[0][1]
+def bound_port(server: HTTPServer) -> int:
+    return server.addresses[0][1]

@@ -79,7 +79,7 @@ class Metrics:
             self.last = report
 
     def families(self, *, ready: bool, queue_length: int, running: int, nodes: list[dict], info: dict,
-                 ctx_size: int, kv_cached: int, events: int) -> list[Family]:
+                 ctx_size: int, kv_cached: int, events: int, connections=None) -> list[Family]:
         requests = Family("dllama_requests_total", "counter", "HTTP requests answered, by endpoint and status "
                           "(499: the client went away first).")
         for (endpoint, status), n in sorted(self.requests.items()):
@@ -120,6 +120,16 @@ class Metrics:
             Family("dllama_cluster_events_total", "counter", "Node failures and recoveries the engine went through.")
             .add(events),
         ]
+        if connections is not None:  # a ConnectionCounts of the connection guard
+            out += [
+                Family("dllama_http_connections", "gauge", "HTTP connections open now.").add(connections.open),
+                Family("dllama_http_connections_refused_total", "counter",
+                       "HTTP connections refused (503, closed) because --max-connections were open.")
+                .add(connections.refused),
+                Family("dllama_http_timeouts_total", "counter", "HTTP connections dropped because a request head "
+                       "(or the next request on a kept-alive connection) or a body did not arrive in time.")
+                .add(connections.header_timeouts, phase="header").add(connections.body_timeouts, phase="body"),
+            ]
         up = Family("dllama_node_up", "gauge", "1 while the node takes part in the computation.")
         for n in nodes:
             up.add(int(n["up"]), node=n["node"])
