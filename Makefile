@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install model chat test bench bench-deps clean
+.PHONY: install model chat test aarch64 bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ model: install
 chat: model
 	$(BIN)/dllama chat --local-workers 2
 
-test: model
+# An arm64 Debian chroot in .aarch64/ (built once, needs root) in which tests/test_aarch64.py runs the
+# kernel tests under qemu: the NEON path a Pi takes. Where it cannot be built it says why and the test skips.
+aarch64:
+	sh tests/aarch64/build_chroot.sh
+
+test: model aarch64
 	$(BIN)/python -m pytest -q
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).

@@ -1,0 +1,53 @@
+"""Plugin (-p tests.aarch64.inner_plugin) of the pytest run inside the arm64 chroot (tests/test_aarch64.py).
+
+- Checks that this run is the one it is meant to be, the non-x86 kernels on aarch64, and prints
+  the line the outer test looks for.
+- Imports the kernels with RuntimeWarnings as errors: numpy warnings at import time showed up on
+  aarch64 only (the F16_TO_F32 table), where nothing else would notice them.
+- Skips the tests that need llama-cpp-python (through the tokenizer or llama_ref fixtures): the
+  chroot does not have it (building it under emulation would take far too long).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import warnings
+
+import pytest
+
+NEEDS_LLAMA_CPP = {"tokenizer", "llama_ref"}
+CHECK_PREFIX = "aarch64-check:"
+
+
+# at the plugin's import, before conftest.py or a test module can import them with warnings allowed
+with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    import dllama.kernels.matmul  # noqa: F401
+    import dllama.kernels.ops  # noqa: F401
+
+
+def pytest_configure(config):
+    from llvmlite import binding as llvm_binding
+
+    from dllama.kernels import simd
+
+    machine, triple = platform.machine(), llvm_binding.get_process_triple()
+    if machine != "aarch64" or not triple.startswith("aarch64") or simd._X86_AVX2:
+        pytest.exit(f"not the aarch64 path: machine={machine} triple={triple} _X86_AVX2={simd._X86_AVX2}",
+                    returncode=3)
+    config._aarch64_check = (f"{CHECK_PREFIX} machine={machine} triple={triple} _X86_AVX2={simd._X86_AVX2} "
+                             f"cpu={llvm_binding.get_host_cpu_name()}")
+
+
+def pytest_report_header(config):
+    return config._aarch64_check
+
+
+def pytest_collection_modifyitems(items):
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return
+    skip = pytest.mark.skip(reason="needs llama-cpp-python, which the aarch64 chroot does not have")
+    for item in items:
+        if NEEDS_LLAMA_CPP & set(getattr(item, "fixturenames", ())):
+            item.add_marker(skip)
