@@ -22,7 +22,7 @@ import pytest
 
 # The test files run inside, in one pytest process. Add files here: tests that need llama.cpp skip
 # inside by themselves; keep the total reasonable under emulation (~10x slower than native).
-INNER_TESTS = ["tests/test_kernels.py", "tests/test_quant.py", "tests/test_plan.py"]
+INNER_TESTS = ["tests/test_kernels.py", "tests/test_quant.py", "tests/test_plan.py", "tests/test_batch_invariance.py"]
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROOT = ROOT / ".aarch64"

@@ -163,7 +163,8 @@ class ServerState:
                 raise APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
                                type="server_error", code="engine_error",
                                extra={"partial_text": gen.text, "completion_tokens": len(gen.tokens)})
-            return web.json_response(env.response(gen.text, gen.finish_reason, self._usage(ids, gen)),
+            token_ids = (ids, gen.tokens) if req.return_token_ids else None
+            return web.json_response(env.response(gen.text, gen.finish_reason, self._usage(ids, gen), token_ids),
                                      dumps=_dumps)
         finally:
             self.pending -= 1

@@ -147,6 +147,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     prompt: str | list[int] | None = None  # completion: text, or token ids
 
@@ -201,7 +202,12 @@ def _common(body: dict, kind: str, defaults: SamplingParams, max_tokens_limit: i
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", "stream_options", "invalid_type")
     include_usage = _bool(options or {}, "include_usage", False, param="stream_options.include_usage")
-    return GenerationRequest(kind, params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage)
+    return_token_ids = _bool(body, "return_token_ids", False)
+    if return_token_ids and stream:
+        raise bad_request("'return_token_ids' is not supported with 'stream'.", "return_token_ids",
+                          "unsupported_parameter")
+    return GenerationRequest(kind, params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage,
+                             return_token_ids)
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
@@ -385,13 +391,19 @@ class Envelope:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def response(self, text: str, finish_reason: str, usage: dict,
+                 token_ids: tuple[list[int], list[int]] | None = None) -> dict:
+        """token_ids: (prompt ids, answer ids), returned as vLLM does when asked (return_token_ids)."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+            out = {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice], "usage": usage}
+        if token_ids is not None:
+            out["prompt_token_ids"], choice["token_ids"] = list(token_ids[0]), list(token_ids[1])
+        return out
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               with_usage_field: bool = False) -> dict:
