@@ -266,6 +266,7 @@ def test_stop_sequences(client, tokenizer, reference, forget, model_name):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type", "only text"),
+    ({"stream": True, "return_token_ids": True}, "return_token_ids", "not supported with 'stream'"),
 ])
 def test_bad_request(client, model_name, extra, param, fragment):
     args = {"messages": QUESTION, "max_tokens": 4, **extra}
