@@ -13,13 +13,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 from gguf import quants as gguf_quants
 
+from .architectures import architecture_of, check_metadata, check_tensors
 from .config import ModelConfig
 from .errors import ModelError
 from .gguf_file import ArrayInfo, GGUFFile
 from .quant import QType, quantize, requant_target
 from .weights import Matrix
 
-SUPPORTED_ARCHS = {"llama": False, "mistral": False}  # arch -> uses NeoX-style RoPE
 _REQUANT_ROWS = 256  # rows converted at a time for non-native types
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -44,10 +44,8 @@ class GGUFModel:
         return default if isinstance(value, ArrayInfo) else value
 
     def _read_config(self) -> ModelConfig:
-        arch = self.field("general.architecture")
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelError(f"unsupported model architecture {arch!r} in {self.path} "
-                             f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+        description = architecture_of(self.field, self.path)
+        arch = description.name
 
         def need(key):
             value = self.field(f"{arch}.{key}")
@@ -65,7 +63,7 @@ class GGUFModel:
             raise ModelError(f"{self.path}: no vocabulary size in the metadata")
         if n_heads % n_kv_heads:
             raise ModelError(f"{self.path}: {n_heads} heads do not divide into {n_kv_heads} KV heads")
-        return ModelConfig(
+        config = ModelConfig(
             arch=arch,
             dim=dim,
             n_layers=int(need("block_count")),
@@ -77,12 +75,15 @@ class GGUFModel:
             context_length=int(self.field(f"{arch}.context_length", 2048)),
             rope_base=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
             rope_dims=int(self.field(f"{arch}.rope.dimension_count", head_dim)),
-            rope_neox=SUPPORTED_ARCHS[arch],
+            rope_neox=description.rope_neox,
             norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tied_embeddings="output.weight" not in self.file.tensors,
             bos_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_id=self.field("tokenizer.ggml.eos_token_id"),
         )
+        check_metadata(description, self.metadata, self.field, head_dim, self.path)
+        check_tensors(description, self.file.tensors, config.n_layers, self.path)
+        return config
 
     # ------------------------------------------------------------------ tensors
 

@@ -122,6 +122,22 @@ def test_unsupported_architecture(tmp_path):
     assert_one_line_error(dllama("inference", "--model", str(path), "--prompt", "hi"), "'gpt2'", "architecture")
 
 
+@pytest.mark.parametrize("extra, key, fragment", [
+    ([("blk.0.attn_q.bias", (64,))], None, "tensor blk.0.attn_q.bias is not used"),
+    ([], ("rope.scaling.type", "yarn"), "llama.rope.scaling.type = 'yarn'"),
+], ids=["unused-bias", "yarn"])
+def test_a_model_we_would_run_wrongly_is_refused(tmp_path, extra, key, fragment):
+    """Never silently wrong, through the CLI: one error line naming the tensor or key."""
+    from .test_gguf import _close, _tiny_tensors, _writer
+
+    path = tmp_path / "m.gguf"
+    w = _writer(path)
+    if key is not None:
+        w.add_string(f"llama.{key[0]}", key[1])
+    _close(w, _tiny_tensors(extra))
+    assert_one_line_error(dllama("inference", "--model", str(path), "--prompt", "hi"), fragment)
+
+
 def _retype_tensor(path: str, name: str, new_type: int) -> None:
     """Change a tensor's type id in place (its header entry: name, n_dims, dims, type, offset)."""
     blob = bytearray(open(path, "rb").read(64 << 20))

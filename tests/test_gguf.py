@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import struct
 
+import re
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -244,14 +246,72 @@ def test_missing_file_and_missing_tensor(tmp_path):
     with pytest.raises(ModelError, match="not found"):
         GGUFModel(tmp_path)  # a directory
     path = tmp_path / "m.gguf"
-    _close(_writer(path), [("token_embd.weight", np.zeros((32, 64), np.float32), None)])
-    model = GGUFModel(path)
+    _close(_writer(path), [t for t in _tiny_tensors() if t[0] != "blk.0.attn_q.weight"])
     with pytest.raises(ModelError, match="blk.0.attn_q.weight is missing"):
-        model.matrix("blk.0.attn_q.weight")
+        GGUFModel(path)
     path = tmp_path / "v.gguf"
-    _close(_writer(path), [("output_norm.weight", np.ones(64, np.float32), None)])
+    _close(_writer(path), _tiny_tensors())
     with pytest.raises(ModelError, match="not a matrix"):
         GGUFModel(path).matrix("output_norm.weight")
+
+
+def _tiny_tensors(extra=(), replace=None):
+    """Every tensor of _writer's 1-layer model (dim 64, 4 heads / 2 KV heads, FFN 128, vocab 32),
+    with `extra` (name, shape) tensors and `replace` {name: (array, raw type)} ones."""
+    f32 = np.float32
+    layer = {"attn_norm": (64,), "attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+             "ffn_norm": (64,), "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}
+    tensors = [("token_embd.weight", np.zeros((32, 64), f32), None), ("output_norm.weight", np.ones(64, f32), None)]
+    tensors += [(f"blk.0.{part}.weight", np.zeros(shape, f32), None) for part, shape in layer.items()]
+    tensors = [(name, *replace[name]) if replace and name in replace else (name, a, r) for name, a, r in tensors]
+    return tensors + [(name, np.zeros(shape, f32), None) for name, shape in extra]
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("blk.0.attn_q.bias", (64,)), ("blk.0.attn_output.bias", (64,)), ("blk.0.ffn_up.bias", (128,)),
+    ("blk.0.attn_q_norm.weight", (16,)), ("blk.1.attn_norm.weight", (64,)), ("cls.weight", (2, 64)),
+])
+def test_a_tensor_the_model_would_not_use_is_refused(tmp_path, name, shape):
+    """Never silently wrong: an unused tensor would leave out part of the model's math."""
+    path = tmp_path / "m.gguf"
+    _close(_writer(path), _tiny_tensors([(name, shape)]))
+    with pytest.raises(ModelError, match=f"tensor {re.escape(name)} is not used by the llama architecture"):
+        GGUFModel(path)
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("rope.scaling.type", "yarn", "RoPE scaling is not implemented"),
+    ("rope.scaling.factor", 4.0, "linear RoPE scaling"),  # no type: llama.cpp reads it as linear
+    ("rope.scaling.attn_factor", 0.5, "attention factor"),
+    ("attention.sliding_window", 4096, "not implemented by this engine"),
+    ("attn_logit_softcapping", 50.0, "not implemented by this engine"),
+    ("attention.layer_norm_epsilon", 1e-5, "not implemented by this engine"),
+    ("expert_count", 8, "mixture-of-experts"),
+    ("rope.dimension_count", 8, "partial RoPE"),
+    ("attention.value_length", 8, "value heads"),
+])
+def test_a_math_key_the_engine_does_not_implement_is_refused(tmp_path, key, value, fragment):
+    path = tmp_path / "m.gguf"
+    w = _writer(path)
+    if isinstance(value, str):
+        w.add_string(f"llama.{key}", value)
+    elif isinstance(value, float):
+        w.add_float32(f"llama.{key}", value)
+    else:
+        w.add_uint32(f"llama.{key}", value)
+    _close(w, _tiny_tensors())
+    with pytest.raises(ModelError, match=f"llama.{re.escape(key)}.*{fragment}"):
+        GGUFModel(path)
+
+
+@pytest.mark.parametrize("key, value", [("rope.scaling.type", "none"), ("rope.scaling.factor", 1.0),
+                                        ("rope.scaling.original_context_length", 8192), ("expert_count", 0)])
+def test_keys_that_leave_the_math_unchanged_are_accepted(tmp_path, key, value):
+    path = tmp_path / "m.gguf"
+    w = _writer(path)
+    {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](f"llama.{key}", value)
+    _close(w, _tiny_tensors())
+    assert GGUFModel(path).config.n_layers == 1
 
 
 @pytest.mark.parametrize("ggml_type", [GGML.I32, GGML.I8, GGML.Q8_1], ids=lambda t: t.name)
@@ -259,8 +319,8 @@ def test_unsupported_tensor_type(tmp_path, ggml_type):
     """A tensor type we cannot convert: a clear error naming the tensor and the type."""
     path = tmp_path / "m.gguf"
     block, size = GGML_QUANT_SIZES[ggml_type]
-    raw = np.zeros((32, 64 // block * size), np.uint8)
-    _close(_writer(path), [("blk.0.attn_q.weight", raw, ggml_type)])
+    raw = np.zeros((64, 64 // block * size), np.uint8)
+    _close(_writer(path), _tiny_tensors(replace={"blk.0.attn_q.weight": (raw, ggml_type)}))
     model = GGUFModel(path)
     with pytest.raises(ModelError, match=f"blk.0.attn_q.weight has unsupported type {ggml_type.name}"):
         model.matrix("blk.0.attn_q.weight")
@@ -268,11 +328,12 @@ def test_unsupported_tensor_type(tmp_path, ggml_type):
 
 def test_f64_tensors_load_as_f32(tmp_path):
     path = tmp_path / "m.gguf"
-    values = np.random.default_rng(0).standard_normal((32, 64))
-    _close(_writer(path), [("blk.0.attn_q.weight", values, None), ("output_norm.weight", values[0], None)])
+    values = np.random.default_rng(0).standard_normal((64, 64))
+    _close(_writer(path), _tiny_tensors(replace={"blk.0.attn_q.weight": (values[:64], None),
+                                                 "output_norm.weight": (values[0], None)}))
     model = GGUFModel(path)
     m = model.matrix("blk.0.attn_q.weight")
-    assert m.qtype == QType.F32 and np.array_equal(m.data, values.astype(np.float32))
+    assert m.qtype == QType.F32 and np.array_equal(m.data, values[:64].astype(np.float32))
     assert np.array_equal(model.vector("output_norm.weight"), values[0].astype(np.float32))
 
 

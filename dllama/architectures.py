@@ -1,0 +1,105 @@
+"""Model architectures as small declarative descriptions: which GGUF tensors a model of the family
+has, which metadata keys it reads, and the choices the forward pass makes (RoPE style, ...).
+
+Never silently wrong: a GGUF tensor the description does not consume, or a metadata key that
+changes the math and is not implemented (or has a value that is not), is refused with one line
+naming it, rather than ignored (an unused bias or an ignored RoPE scaling gives fluent, wrong text).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ModelError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    rope_neox: bool  # NeoX RoPE pairs dim i with i + n/2 (GPT-NeoX, Qwen); else 2i with 2i+1 (Llama)
+    layer_tensors: tuple[str, ...] = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                      "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                                      "ffn_down.weight")
+    global_tensors: tuple[str, ...] = ("token_embd.weight", "output_norm.weight")
+    optional_global_tensors: tuple[str, ...] = ("output.weight", "rope_freqs.weight")
+
+
+ARCHITECTURES = {a.name: a for a in (
+    Architecture("llama", rope_neox=False),
+    Architecture("mistral", rope_neox=False),
+)}
+
+# Metadata keys under "{arch}." that the engine reads, or knows to leave the math unchanged.
+_KNOWN_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+}
+
+
+def architecture_of(metadata_get, path: str) -> Architecture:
+    name = metadata_get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise ModelError(f"unsupported model architecture {name!r} in {path} "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[name]
+
+
+def check_metadata(arch: Architecture, metadata: dict, metadata_get, head_dim: int, path: str) -> None:
+    """Refuse a math-relevant key this engine does not implement, or a value it does not."""
+    prefix = arch.name + "."
+    for key in metadata:
+        if key.startswith(prefix) and key[len(prefix):] not in _KNOWN_KEYS:
+            raise ModelError(f"{path}: metadata {key} is not implemented by this engine (it may change "
+                             f"the model's output); refusing to run it rather than ignoring it")
+
+    def get(suffix, default=None):
+        return metadata_get(prefix + suffix, default)
+
+    def refuse(key, value, why):
+        raise ModelError(f"{path}: metadata {prefix}{key} = {value!r}: {why}")
+
+    value_length = get("attention.value_length")
+    if value_length is not None and int(value_length) != head_dim:
+        refuse("attention.value_length", value_length, f"value heads of another size than key heads ({head_dim}) "
+               "are not implemented")
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        refuse("rope.dimension_count", rope_dims, f"partial RoPE (head size {head_dim}) is not implemented")
+    for key in ("expert_count", "expert_used_count"):
+        if int(get(key, 0) or 0) != 0:
+            refuse(key, get(key), "mixture-of-experts layers are not implemented for this architecture")
+    # llama.cpp reads an absent scaling type as linear, applied when a factor other than 1 is given
+    scaling = get("rope.scaling.type", "linear")
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)) or 0.0)
+    if scaling not in ("none", "linear"):
+        refuse("rope.scaling.type", scaling, "this RoPE scaling is not implemented")
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        refuse("rope.scaling.factor", factor, "linear RoPE scaling is not implemented")
+    attn_factor = float(get("rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:
+        refuse("rope.scaling.attn_factor", attn_factor, "a RoPE attention factor is not implemented")
+
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def check_tensors(arch: Architecture, names, n_layers: int, path: str) -> None:
+    """Every tensor of the file must be one the description consumes, and every required one there."""
+    names = set(names)
+    allowed = set(arch.global_tensors) | set(arch.optional_global_tensors)
+    for name in sorted(names):
+        m = _LAYER_TENSOR.fullmatch(name)
+        known = (name in allowed if m is None
+                 else int(m.group(1)) < n_layers and m.group(2) in arch.layer_tensors)
+        if not known:
+            raise ModelError(f"{path}: tensor {name} is not used by the {arch.name} architecture as implemented "
+                             f"here (it would change the output); refusing to run it rather than ignoring it")
+    required = list(arch.global_tensors) + [f"blk.{i}.{part}" for i in range(n_layers) for part in arch.layer_tensors]
+    missing = [name for name in required if name not in names]
+    if missing:
+        raise ModelError(f"{path}: tensor {missing[0]} is missing")
