@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .config import RopeScaling
 from .errors import ModelError
 
 
@@ -73,16 +74,19 @@ def check_metadata(arch: Architecture, metadata: dict, metadata_get, head_dim: i
     for key in ("expert_count", "expert_used_count"):
         if int(get(key, 0) or 0) != 0:
             refuse(key, get(key), "mixture-of-experts layers are not implemented for this architecture")
-    # llama.cpp reads an absent scaling type as linear, applied when a factor other than 1 is given
     scaling = get("rope.scaling.type", "linear")
+    if scaling not in ("none", "linear", "yarn"):
+        refuse("rope.scaling.type", scaling, "this RoPE scaling is not implemented (none, linear and yarn are)")
+
+
+def rope_scaling(arch: Architecture, metadata_get, n_dims: int, base: float, context_length: int) -> RopeScaling:
+    """RoPE scaling as llama.cpp reads it: an absent type is linear, applied when a factor is given."""
+    def get(suffix, default=None):
+        return metadata_get(f"{arch.name}.{suffix}", default)
+
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)) or 0.0)
-    if scaling not in ("none", "linear"):
-        refuse("rope.scaling.type", scaling, "this RoPE scaling is not implemented")
-    if scaling == "linear" and factor not in (0.0, 1.0):
-        refuse("rope.scaling.factor", factor, "linear RoPE scaling is not implemented")
-    attn_factor = float(get("rope.scaling.attn_factor", 1.0))
-    if attn_factor != 1.0:
-        refuse("rope.scaling.attn_factor", attn_factor, "a RoPE attention factor is not implemented")
+    return RopeScaling.from_gguf(get("rope.scaling.type", "linear"), factor, float(get("rope.scaling.attn_factor", 1.0)),
+                                 n_dims, base, int(get("rope.scaling.original_context_length", context_length)))
 
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")

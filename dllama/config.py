@@ -2,7 +2,51 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE angles are scaled, in the terms of GGML's rope_yarn: angles times freq_scale
+    (linear scaling: 1/factor); with YaRN (ext_factor 1) the dims between corr_dims blend the
+    scaled and unscaled angles; cos and sin are multiplied by mscale. The defaults: plain RoPE."""
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    corr_dims: tuple[float, float] = (0.0, 0.0)
+    mscale: float = 1.0
+
+    @classmethod
+    def from_gguf(cls, kind: str, factor: float, attn_factor: float, n_dims: int, base: float,
+                  orig_ctx: int) -> "RopeScaling":
+        """As llama.cpp derives them from GGUF metadata (llama_model::load_hparams, llama_context's
+        cparams, with its default YaRN betas 32 and 1), in float32 where it computes in float."""
+        f32 = np.float32
+        if kind == "none" or factor == 0.0:
+            return cls(mscale=float(f32(attn_factor)))
+        freq_scale = f32(1.0) / f32(factor)
+        if kind == "linear":
+            return cls(freq_scale=float(freq_scale), mscale=float(f32(attn_factor)))
+        assert kind == "yarn", kind
+        scale = f32(1.0) / freq_scale
+        # get_mscale(factor, 1) / (1 + 0.1 ln factor): 1 up to rounding, as llama.cpp leaves it
+        grow = f32(1.0) if scale <= 1 else _fma32(f32(0.1), f32(math.log(scale)), f32(1.0))
+        mscale = grow * (f32(1.0) / _fma32(f32(0.1), f32(math.log(scale)), f32(1.0))) * f32(attn_factor)
+
+        def corr_dim(beta: float) -> float:
+            return float(f32(n_dims) * f32(math.log(f32(orig_ctx) / (f32(beta) * f32(2) * f32(math.pi))))
+                         / (f32(2) * f32(math.log(f32(base)))))
+
+        lo, hi = max(0.0, float(math.floor(corr_dim(32.0)))), min(n_dims - 1.0, float(math.ceil(corr_dim(1.0))))
+        return cls(freq_scale=float(freq_scale), ext_factor=1.0, corr_dims=(lo, hi), mscale=float(mscale))
+
+
+def _fma32(a, b, c) -> np.float32:
+    """a*b + c rounded once to float32 (the product is exact in float64)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
 @dataclass(frozen=True)
@@ -21,8 +65,19 @@ class ModelConfig:
     rope_neox: bool  # pair dim i with i + rope_dims/2 (NeoX) instead of 2i with 2i+1
     norm_eps: float
     tied_embeddings: bool  # LM head reuses token_embd
+    # RoPE scaling (RopeScaling's fields, flat so the config travels as plain numbers)
+    rope_freq_scale: float = 1.0
+    rope_ext_factor: float = 0.0
+    rope_corr_lo: float = 0.0
+    rope_corr_hi: float = 0.0
+    rope_mscale: float = 1.0
     bos_id: int | None = None
     eos_id: int | None = None
+
+    @property
+    def rope_scaling(self) -> RopeScaling:
+        return RopeScaling(self.rope_freq_scale, self.rope_ext_factor, (self.rope_corr_lo, self.rope_corr_hi),
+                           self.rope_mscale)
 
     @property
     def group_size(self) -> int:

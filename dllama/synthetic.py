@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, RopeScalingType
 from gguf import quants as gguf_quants
 
 from .errors import DllamaError
@@ -33,6 +33,7 @@ class SyntheticSpec:
     rope_base: float = 10000.0
     tied_embeddings: bool = False
     seed: int = 0
+    rope_scaling: tuple[str, float, int] | None = None  # (type, factor, original context length)
 
 
 PRESETS = {
@@ -114,6 +115,11 @@ def write_synthetic(path: str, spec: SyntheticSpec, tokenizer_gguf: str) -> None
     writer.add_head_count_kv(spec.n_kv_heads)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.dim // spec.n_heads)
+    if spec.rope_scaling is not None:
+        kind, factor, original_context = spec.rope_scaling
+        writer.add_rope_scaling_type(RopeScalingType(kind))
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(original_context)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(int(qtype) if qtype != GGML.F32 else 0)

@@ -22,6 +22,12 @@ SYNTHETIC_SPECS = {
     "Q4_0": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, qtype="Q4_0", tied_embeddings=False, seed=4),
     "Q5_0": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q5_0", tied_embeddings=False, seed=5),
     "BF16": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="BF16", tied_embeddings=True, seed=6),
+    # RoPE scaling as Llama-family GGUFs declare it (llama.cpp applies it; a context of 32 so
+    # that YaRN's ramp falls inside the 16 rotated pairs)
+    "rope-linear": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q8_0", seed=9,
+                        rope_scaling=("linear", 4.0, 32)),
+    "rope-yarn": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q8_0", seed=10,
+                      rope_scaling=("yarn", 4.0, 32)),
     # the big shapes, 2 layers: dim 2048, 32 heads / 8 KV heads, FFN 8192, Q4_0, untied LM head
     "big": dict(dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=8192, qtype="Q4_0", tied_embeddings=False,
                 seed=8),

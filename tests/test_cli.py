@@ -124,8 +124,8 @@ def test_unsupported_architecture(tmp_path):
 
 @pytest.mark.parametrize("extra, key, fragment", [
     ([("blk.0.attn_q.bias", (64,))], None, "tensor blk.0.attn_q.bias is not used"),
-    ([], ("rope.scaling.type", "yarn"), "llama.rope.scaling.type = 'yarn'"),
-], ids=["unused-bias", "yarn"])
+    ([], ("rope.scaling.type", "longrope"), "llama.rope.scaling.type = 'longrope'"),
+], ids=["unused-bias", "longrope"])
 def test_a_model_we_would_run_wrongly_is_refused(tmp_path, extra, key, fragment):
     """Never silently wrong, through the CLI: one error line naming the tensor or key."""
     from .test_gguf import _close, _tiny_tensors, _writer

@@ -134,6 +134,18 @@ def test_synthetic_native_formats(synthetic_model, llama_ref, tokenizer, name):
         np.testing.assert_array_equal(ours, ref)
 
 
+@pytest.mark.parametrize("name", ["rope-linear", "rope-yarn"])
+def test_synthetic_rope_scaling(synthetic_model, llama_ref, tokenizer, name):
+    """Linear and YaRN RoPE scaling read from the GGUF as llama.cpp reads them (ignored, they gave
+    KL 60-80x llama.cpp's own spread): within its spread, or bit for bit where it takes our path."""
+    ref, ours, figures = _synthetic_figures(synthetic_model(name), llama_ref, tokenizer, 96)
+    print(f"\nsynthetic {name}: {figures}")
+    assert figures["top1"] >= 0.98, figures
+    assert figures["kl"] <= max(SPREAD_FACTOR * figures["llama_cpp_own_kl"], 1e-4), figures
+    if bit_exact_expected() and name == "rope-linear":
+        np.testing.assert_array_equal(ours, ref)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "BF16"])
 def test_synthetic_other_formats_close(synthetic_model, llama_ref, tokenizer, name):
     """Q4_0: llama.cpp repacks it and sums in another order; Q5_0 -> Q8_0 and BF16 -> F16 on load."""

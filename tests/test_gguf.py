@@ -280,9 +280,8 @@ def test_a_tensor_the_model_would_not_use_is_refused(tmp_path, name, shape):
 
 
 @pytest.mark.parametrize("key, value, fragment", [
-    ("rope.scaling.type", "yarn", "RoPE scaling is not implemented"),
-    ("rope.scaling.factor", 4.0, "linear RoPE scaling"),  # no type: llama.cpp reads it as linear
-    ("rope.scaling.attn_factor", 0.5, "attention factor"),
+    ("rope.scaling.type", "longrope", "RoPE scaling is not implemented"),
+    ("rope.scaling.yarn_log_multiplier", 0.1, "not implemented by this engine"),
     ("attention.sliding_window", 4096, "not implemented by this engine"),
     ("attn_logit_softcapping", 50.0, "not implemented by this engine"),
     ("attention.layer_norm_epsilon", 1e-5, "not implemented by this engine"),
@@ -302,6 +301,28 @@ def test_a_math_key_the_engine_does_not_implement_is_refused(tmp_path, key, valu
     _close(w, _tiny_tensors())
     with pytest.raises(ModelError, match=f"llama.{re.escape(key)}.*{fragment}"):
         GGUFModel(path)
+
+
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
+    """No type but a factor: linear (freq_scale 1/factor); type none: the factor is not applied;
+    yarn: extrapolation mixed in over the dims its betas give, with the original context."""
+    def config(**keys):
+        path = tmp_path / "m.gguf"
+        w = _writer(path)
+        for key, value in keys.items():
+            {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](f"llama.rope.scaling.{key}", value)
+        _close(w, _tiny_tensors())
+        return GGUFModel(path).config.rope_scaling
+
+    assert config().freq_scale == 1.0 and config().ext_factor == 0.0
+    assert config(factor=4.0).freq_scale == 0.25 and config(factor=4.0).ext_factor == 0.0
+    assert config(type="none", factor=4.0).freq_scale == 1.0
+    assert config(type="linear", factor=2.0, attn_factor=0.5).mscale == 0.5
+    yarn = config(type="yarn", factor=4.0, original_context_length=32)
+    assert yarn.freq_scale == 0.25 and yarn.ext_factor == 1.0
+    assert yarn.mscale == pytest.approx(1.0, abs=1e-6)
+    # head size 16, base 10000, 32 positions: corr dims floor(16 ln(32/(64 pi)) / (2 ln 1e4)), ceil(... 2 pi)
+    assert yarn.corr_dims == (0.0, 2.0) and all(isinstance(d, float) for d in yarn.corr_dims)
 
 
 @pytest.mark.parametrize("key, value", [("rope.scaling.type", "none"), ("rope.scaling.factor", 1.0),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
+from dllama.config import RopeScaling
 from dllama.kernels.matmul import Activations, Q8Activations, matmul, matmul_ref, round_f16
 from dllama.kernels.ops import (attention, attention_ref, expf, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
                                 silu_mul_ref)
@@ -190,6 +191,24 @@ def test_rope_matches_reference(neox, n_dims, base, factors):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-6 * np.abs(x).max())
     np.testing.assert_array_equal(y[..., n_dims:], x[..., n_dims:])  # dims past n_dims untouched
     np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
+
+
+@pytest.mark.parametrize("scaling", [RopeScaling(freq_scale=0.25, mscale=0.5),
+                                     RopeScaling(freq_scale=0.125, ext_factor=1.0, corr_dims=(5.0, 22.0), mscale=1.0)],
+                         ids=["linear", "yarn"])
+def test_scaled_rope_matches_reference(scaling):
+    """Linear and YaRN scaling against the reference written as the YaRN paper does (float64
+    angles: the kernel's float32 angles of up to ~500 rad differ by their rounding)."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((6, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 2, 31, 500, 4095])
+    y = x.copy()
+    rope(y, pos, 64, 10000.0, True, None, scaling)
+    ref = rope_ref(x, pos, 64, 10000.0, True, None, scaling)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-3 * np.abs(x).max())
+    plain = x.copy()
+    rope(plain, pos, 64, 10000.0, True)
+    assert np.abs(plain[3:] - y[3:]).max() > 0.1  # the scaling changes the result
 
 
 @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..config import RopeScaling
 from .matmul import CACHE, dot_f16, round_f16
 from .simd import f16_bits, f32_bits, f32_from_bits, fma, hsum8
 
@@ -45,18 +46,29 @@ def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(nogil=True, cache=CACHE)
-def _rope_angles(pos, n_dims, base, freq_factors):
-    """cos/sin table (T, n_dims/2) for the given positions, as GGML builds it."""
+def _rope_angles(pos, n_dims, base, freq_factors, freq_scale, ext_factor, corr_lo, corr_hi, mscale):
+    """cos/sin table (T, n_dims/2) for the given positions, as GGML builds it (ggml_rope_cache_init
+    and rope_yarn): angles scaled by freq_scale (linear scaling: 1/factor); with YaRN (ext_factor
+    != 0) blended with the unscaled ones over the dims between corr_lo and corr_hi; cos and sin
+    multiplied by mscale. With the defaults (1, 0, -, -, 1) every step is exact: plain RoPE."""
     half = n_dims // 2
     theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_dims))
     cos = np.empty((pos.shape[0], half), np.float32)
     sin = np.empty((pos.shape[0], half), np.float32)
+    one = np.float32(1.0)
     for t in range(pos.shape[0]):
         theta = np.float32(pos[t])
         for i in range(half):
-            angle = theta / freq_factors[i]
-            cos[t, i] = np.cos(angle)
-            sin[t, i] = np.sin(angle)
+            extrap = theta / freq_factors[i]
+            angle = freq_scale * extrap
+            m = mscale
+            if ext_factor != 0:
+                y = (np.float32(i) - corr_lo) / max(np.float32(0.001), corr_hi - corr_lo)
+                mix = (one - min(one, max(np.float32(0.0), y))) * ext_factor
+                angle = fma(angle, one - mix, extrap * mix)  # GGML's C contracts the first product
+                m = mscale * fma(np.float32(0.1), np.float32(np.log(one / freq_scale)), one)
+            cos[t, i] = np.cos(angle) * m
+            sin[t, i] = np.sin(angle) * m
             theta *= theta_scale
     return cos, sin
 
@@ -77,26 +89,39 @@ def _rope(x, cos, sin, neox):
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
-         freq_factors: np.ndarray | None = None) -> None:
+         freq_factors: np.ndarray | None = None, scaling: RopeScaling = RopeScaling()) -> None:
     """Rotate x (T, heads, head_dim) in place; dims past n_dims are left as they are."""
     if freq_factors is None:
         freq_factors = np.ones(n_dims // 2, np.float32)
-    cos, sin = _rope_angles(np.asarray(pos, np.int64), n_dims, np.float32(base), freq_factors)
+    f32 = np.float32
+    cos, sin = _rope_angles(np.asarray(pos, np.int64), n_dims, f32(base), freq_factors, f32(scaling.freq_scale),
+                            f32(scaling.ext_factor), f32(scaling.corr_dims[0]), f32(scaling.corr_dims[1]),
+                            f32(scaling.mscale))
     _rope(x, cos, sin, neox)
 
 
 def rope_ref(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
-             freq_factors: np.ndarray | None = None) -> np.ndarray:
+             freq_factors: np.ndarray | None = None, scaling: RopeScaling = RopeScaling()) -> np.ndarray:
     half = n_dims // 2
     ff = np.ones(half, np.float32) if freq_factors is None else freq_factors
     theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_dims))
     # theta_i = pos * theta_scale^i, accumulated in f32 step by step like GGML
     acc = np.asarray(pos, np.float32).copy()
-    angles = np.empty((len(pos), half), np.float32)
+    extrap = np.empty((len(pos), half), np.float32)
     for i in range(half):
-        angles[:, i] = acc / ff[i]
+        extrap[:, i] = acc / ff[i]
         acc = (acc * theta_scale).astype(np.float32)
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    # YaRN as its paper writes it (float64): interpolated angles for the low-frequency dims,
+    # extrapolated ones for the high, a linear ramp between; magnitudes scaled by mscale
+    angles = extrap.astype(np.float64) * scaling.freq_scale
+    mscale = scaling.mscale
+    if scaling.ext_factor:
+        lo, hi = scaling.corr_dims
+        mix = (1 - np.clip((np.arange(half) - lo) / max(0.001, hi - lo), 0, 1)) * scaling.ext_factor
+        angles = angles * (1 - mix) + extrap * mix
+        mscale *= 1 + 0.1 * np.log(1 / scaling.freq_scale)
+    cos, sin = np.cos(angles) * mscale, np.sin(angles) * mscale
+    cos, sin = cos.astype(np.float32)[:, None, :], sin.astype(np.float32)[:, None, :]
     y = x.copy()
     if neox:
         x0, x1 = x[..., :half], x[..., half:n_dims]
