@@ -15,20 +15,34 @@ from .config import RopeScaling
 from .errors import ModelError
 
 
+_DENSE_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_ATTN_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")
+
+
 @dataclass(frozen=True)
 class Architecture:
+    """A family of models: its tensors per layer (required, and optional ones that the forward
+    pass applies when the file has them) and its RoPE style. The forward pass (model.py) is one
+    function for all of them: what a layer has (biases, QK-norm) is what it computes."""
+
     name: str
     rope_neox: bool  # NeoX RoPE pairs dim i with i + n/2 (GPT-NeoX, Qwen); else 2i with 2i+1 (Llama)
-    layer_tensors: tuple[str, ...] = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                      "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                                      "ffn_down.weight")
+    layer_tensors: tuple[str, ...] = _DENSE_LAYER
+    optional_layer_tensors: tuple[str, ...] = ()
     global_tensors: tuple[str, ...] = ("token_embd.weight", "output_norm.weight")
     optional_global_tensors: tuple[str, ...] = ("output.weight", "rope_freqs.weight")
 
 
 ARCHITECTURES = {a.name: a for a in (
-    Architecture("llama", rope_neox=False),
+    # Llama 2/3, SmolLM, Mistral: optional attention biases (llama.cpp reads them for llama)
+    Architecture("llama", rope_neox=False, optional_layer_tensors=_ATTN_BIASES),
     Architecture("mistral", rope_neox=False),
+    # Qwen2 / Qwen2.5: Q/K/V biases, NeoX RoPE
+    Architecture("qwen2", rope_neox=True, optional_layer_tensors=_ATTN_BIASES[:3]),
+    # Qwen3 (dense): per-head RMS norm of Q and K before RoPE, heads wider than dim / n_heads
+    Architecture("qwen3", rope_neox=True, layer_tensors=_DENSE_LAYER + _QK_NORMS),
 )}
 
 # Metadata keys under "{arch}." that the engine reads, or knows to leave the math unchanged.
@@ -98,8 +112,8 @@ def check_tensors(arch: Architecture, names, n_layers: int, path: str) -> None:
     allowed = set(arch.global_tensors) | set(arch.optional_global_tensors)
     for name in sorted(names):
         m = _LAYER_TENSOR.fullmatch(name)
-        known = (name in allowed if m is None
-                 else int(m.group(1)) < n_layers and m.group(2) in arch.layer_tensors)
+        known = (name in allowed if m is None else int(m.group(1)) < n_layers
+                 and (m.group(2) in arch.layer_tensors or m.group(2) in arch.optional_layer_tensors))
         if not known:
             raise ModelError(f"{path}: tensor {name} is not used by the {arch.name} architecture as implemented "
                              f"here (it would change the output); refusing to run it rather than ignoring it")
@@ -107,3 +121,22 @@ def check_tensors(arch: Architecture, names, n_layers: int, path: str) -> None:
     missing = [name for name in required if name not in names]
     if missing:
         raise ModelError(f"{path}: tensor {missing[0]} is missing")
+
+
+# optional tensors that come as a group, and the config flag that says a model has them
+_FEATURES = {"attn_bias": _ATTN_BIASES[:3], "attn_out_bias": _ATTN_BIASES[3:], "qk_norm": _QK_NORMS}
+
+
+def layer_features(arch: Architecture, names, n_layers: int, path: str) -> dict[str, bool]:
+    """Which optional parts (ModelConfig's attn_bias, attn_out_bias, qk_norm) the layers have: a
+    group is in every layer or in none (anything else is refused rather than half applied)."""
+    names = set(names)
+    features = {}
+    for flag, parts in _FEATURES.items():
+        present = [f"blk.{i}.{part}" in names for i in range(n_layers) for part in parts]
+        if any(present) and not all(present):
+            missing = next(f"blk.{i}.{part}" for i in range(n_layers) for part in parts
+                           if f"blk.{i}.{part}" not in names)
+            raise ModelError(f"{path}: tensor {missing} is missing (other layers or heads have it)")
+        features[flag] = all(present)
+    return features

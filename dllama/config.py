@@ -65,6 +65,10 @@ class ModelConfig:
     rope_neox: bool  # pair dim i with i + rope_dims/2 (NeoX) instead of 2i with 2i+1
     norm_eps: float
     tied_embeddings: bool  # LM head reuses token_embd
+    # what a layer has beyond a Llama layer (see architectures.py); the same in every layer
+    attn_bias: bool = False  # Q/K/V biases
+    attn_out_bias: bool = False  # attention output bias
+    qk_norm: bool = False  # per-head RMS norm of Q and K
     # RoPE scaling (RopeScaling's fields, flat so the config travels as plain numbers)
     rope_freq_scale: float = 1.0
     rope_ext_factor: float = 0.0

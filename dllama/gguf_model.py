@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 from gguf import quants as gguf_quants
 
-from .architectures import architecture_of, check_metadata, check_tensors, rope_scaling
+from .architectures import architecture_of, check_metadata, check_tensors, layer_features, rope_scaling
 from .config import ModelConfig
 from .errors import ModelError
 from .gguf_file import ArrayInfo, GGUFFile
@@ -83,11 +83,12 @@ class GGUFModel:
             eos_id=self.field("tokenizer.ggml.eos_token_id"),
         )
         check_metadata(description, self.metadata, self.field, head_dim, self.path)
+        check_tensors(description, self.file.tensors, config.n_layers, self.path)
         scaling = rope_scaling(description, self.field, config.rope_dims, config.rope_base, config.context_length)
-        config = replace(config, rope_freq_scale=scaling.freq_scale, rope_ext_factor=scaling.ext_factor,
+        config = replace(config, **layer_features(description, self.file.tensors, config.n_layers, self.path),
+                         rope_freq_scale=scaling.freq_scale, rope_ext_factor=scaling.ext_factor,
                          rope_corr_lo=scaling.corr_dims[0], rope_corr_hi=scaling.corr_dims[1],
                          rope_mscale=scaling.mscale)
-        check_tensors(description, self.file.tensors, config.n_layers, self.path)
         return config
 
     # ------------------------------------------------------------------ tensors

@@ -34,6 +34,13 @@ class LayerWeights:
     w_gate: Matrix  # rows: this node's FFN hidden units
     w_up: Matrix
     w_down: Matrix  # columns: this node's FFN hidden units (gather mode: rows: its output rows)
+    # what some architectures add (architectures.py); None where the model has none
+    bq: np.ndarray | None = None  # Q/K/V biases, sliced with the heads
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    bo: np.ndarray | None = None  # attention output bias, whole (added once the projection is whole)
+    q_norm: np.ndarray | None = None  # per-head RMS norm scales of Q and K (head_dim each)
+    k_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -52,7 +59,8 @@ class ShardWeights:
     def from_tensors(cls, t: dict[str, Matrix | np.ndarray]) -> "ShardWeights":
         n_layers = sum(1 for name in t if name.endswith(".attn_norm"))
         layers = [
-            LayerWeights(**{_FIELD[part]: t[f"blk.{i}.{part}"] for part in LAYER_TENSORS})
+            LayerWeights(**{_FIELD[part]: t[f"blk.{i}.{part}"] for part in LAYER_TENSORS},
+                         **{field: t.get(f"blk.{i}.{part}") for part, field in _OPTIONAL_FIELD.items()})
             for i in range(n_layers)
         ]
         return cls(layers, t["output_norm"], t["output"], t.get("rope_freqs"))
@@ -62,12 +70,14 @@ class ShardWeights:
         total = self.lm_head.nbytes + self.output_norm.nbytes
         for layer in self.layers:
             for value in vars(layer).values():
-                total += value.nbytes
+                total += 0 if value is None else value.nbytes
         return total
 
 
 _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
           "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+_OPTIONAL_FIELD = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.bias": "bo",
+                   "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 
 
 def shard_tensors(model: GGUFModel, shard: Shard,
@@ -88,6 +98,15 @@ def shard_tensors(model: GGUFModel, shard: Shard,
         yield f"blk.{i}.attn_q", m("attn_q").row_slice(q0, q1)
         yield f"blk.{i}.attn_k", m("attn_k").row_slice(k0, k1)
         yield f"blk.{i}.attn_v", m("attn_v").row_slice(k0, k1)
+        if model.config.attn_bias:
+            yield f"blk.{i}.attn_q.bias", model.vector(f"blk.{i}.attn_q.bias")[q0:q1]
+            yield f"blk.{i}.attn_k.bias", model.vector(f"blk.{i}.attn_k.bias")[k0:k1]
+            yield f"blk.{i}.attn_v.bias", model.vector(f"blk.{i}.attn_v.bias")[k0:k1]
+        if model.config.attn_out_bias:
+            yield f"blk.{i}.attn_output.bias", model.vector(f"blk.{i}.attn_output.bias")
+        if model.config.qk_norm:
+            yield f"blk.{i}.attn_q_norm", model.vector(model.layer_name(i, "attn_q_norm"))
+            yield f"blk.{i}.attn_k_norm", model.vector(model.layer_name(i, "attn_k_norm"))
         wo, w_down = m("attn_output"), m("ffn_down")
         yield f"blk.{i}.attn_output", wo.row_slice(*shard.rows) if by_rows else wo.col_slice(q0, q1)
         yield f"blk.{i}.ffn_norm", model.vector(model.layer_name(i, "ffn_norm"))
@@ -99,6 +118,42 @@ def shard_tensors(model: GGUFModel, shard: Shard,
     freqs = model.rope_freq_factors()
     if freqs is not None:
         yield "rope_freqs", freqs
+
+
+def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce") -> dict[str, tuple[int, int] | int]:
+    """The shape of every tensor `shard_tensors` cuts for a shard, by name: (rows, cols) of a
+    matrix, the length of a vector. Leaves out rope_freqs, which only some models have."""
+    hd, dim = config.head_dim, config.dim
+    nq, nkv = shard.n_q_heads * hd, shard.n_kv_heads * hd
+    nf, nrows = shard.ffn[1] - shard.ffn[0], shard.rows[1] - shard.rows[0]
+    by_rows = mode == "gather"
+    shapes: dict[str, tuple[int, int] | int] = {}
+    for i in range(config.n_layers):
+        shapes.update({
+            f"blk.{i}.attn_norm": dim, f"blk.{i}.attn_q": (nq, dim), f"blk.{i}.attn_k": (nkv, dim),
+            f"blk.{i}.attn_v": (nkv, dim),
+            f"blk.{i}.attn_output": (nrows, config.n_heads * hd) if by_rows else (dim, nq),
+            f"blk.{i}.ffn_norm": dim, f"blk.{i}.ffn_gate": (nf, dim), f"blk.{i}.ffn_up": (nf, dim),
+            f"blk.{i}.ffn_down": (nrows, config.ffn_dim) if by_rows else (dim, nf)})
+        if config.attn_bias:
+            shapes.update({f"blk.{i}.attn_q.bias": nq, f"blk.{i}.attn_k.bias": nkv, f"blk.{i}.attn_v.bias": nkv})
+        if config.attn_out_bias:
+            shapes[f"blk.{i}.attn_output.bias"] = dim
+        if config.qk_norm:
+            shapes.update({f"blk.{i}.attn_q_norm": hd, f"blk.{i}.attn_k_norm": hd})
+    shapes["output_norm"] = dim
+    shapes["output"] = (shard.vocab[1] - shard.vocab[0], dim)
+    return shapes
+
+
+def cache_length(ctx_size: int) -> int:
+    """KV cache positions held for a context: padded to 32, the attention kernel's step."""
+    return -(-ctx_size // 32) * 32
+
+
+def kv_cache_bytes(config: ModelConfig, n_kv_heads: int, ctx_size: int) -> int:
+    """RAM of a node's KV cache (f16 K and V of its KV heads, every layer): what a plan must fit."""
+    return 2 * 2 * config.n_layers * n_kv_heads * config.head_dim * cache_length(ctx_size)
 
 
 class ShardModel:
@@ -116,7 +171,7 @@ class ShardModel:
         # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
         # attention) so each output dimension is one contiguous dot product. The length is padded
         # to 32, the attention kernel's step; np.zeros pages are only committed when written.
-        cache_len = -(-ctx_size // 32) * 32
+        cache_len = cache_length(ctx_size)
         self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
         self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
 
@@ -137,9 +192,15 @@ class ShardModel:
             # attention over this node's heads
             h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
             if nq:
-                q = w.wq.matmul(h).reshape(T, nq, hd)
-                k = w.wk.matmul(h).reshape(T, nkv, hd)
-                v = w.wv.matmul(h).reshape(T, nkv, hd)
+                q, k, v = w.wq.matmul(h), w.wk.matmul(h), w.wv.matmul(h)
+                if w.bq is not None:  # Qwen2, some Llama GGUFs
+                    q += w.bq
+                    k += w.bk
+                    v += w.bv
+                q, k, v = q.reshape(T, nq, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+                if w.q_norm is not None:  # Qwen3: each head RMS-normed before RoPE
+                    q = rmsnorm(q.reshape(T * nq, hd), w.q_norm, cfg.norm_eps).reshape(T, nq, hd)
+                    k = rmsnorm(k.reshape(T * nkv, hd), w.k_norm, cfg.norm_eps).reshape(T, nkv, hd)
                 rope(q, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors, cfg.rope_scaling)
                 rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors, cfg.rope_scaling)
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
@@ -147,7 +208,10 @@ class ShardModel:
                 att = attention(q, k_cache, v_cache, self.kv_of_head, start).reshape(T, nq * hd)
             else:
                 att = np.zeros((T, 0), np.float32)
-            x += await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads
+            out = await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads
+            if w.bo is not None:
+                out += w.bo
+            x += out
 
             # feed-forward over this node's hidden units
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))

@@ -34,6 +34,15 @@ class SyntheticSpec:
     tied_embeddings: bool = False
     seed: int = 0
     rope_scaling: tuple[str, float, int] | None = None  # (type, factor, original context length)
+    arch: str = "llama"  # the GGUF architecture name (llama, qwen2, qwen3: see architectures.py)
+    head_dim: int | None = None  # default dim / n_heads; Qwen3 has larger heads
+    attn_bias: bool = False  # attn_q/k/v.bias (Qwen2 has them; Llama GGUFs may)
+    attn_out_bias: bool = False  # attn_output.bias
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm (Qwen3)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
 
 PRESETS = {
@@ -41,6 +50,11 @@ PRESETS = {
     "tiny": SyntheticSpec(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=768, qtype="Q4_0"),
     # a 1B-class model for the cluster benchmarks (~1.1 B parameters, ~630 MB as Q4_0)
     "1b": SyntheticSpec(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, qtype="Q4_0"),
+    # other architectures, in the shapes of their smallest real models
+    "qwen2": SyntheticSpec(arch="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, qtype="Q8_0",
+                           rope_base=1e6, tied_embeddings=True, attn_bias=True),  # Qwen2.5-0.5B
+    "qwen3": SyntheticSpec(arch="qwen3", dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                           qtype="Q8_0", rope_base=1e6, tied_embeddings=True, qk_norm=True),  # Qwen3-0.6B
 }
 
 _TOKENIZER_KEYS_SKIPPED = {"tokenizer.ggml.add_space_prefix"}
@@ -62,14 +76,23 @@ def _tokenizer_fields(path: str, mtime: float) -> tuple[int, list[tuple[str, obj
 
 def _tensor_plan(spec: SyntheticSpec, vocab: int):
     """(name, shape as (rows, cols), is_matrix) in GGUF order."""
-    hd = spec.dim // spec.n_heads
+    hd = spec.head_size
     yield "token_embd.weight", (vocab, spec.dim), True
     for i in range(spec.n_layers):
         yield f"blk.{i}.attn_norm.weight", (spec.dim,), False
         yield f"blk.{i}.attn_q.weight", (spec.n_heads * hd, spec.dim), True
         yield f"blk.{i}.attn_k.weight", (spec.n_kv_heads * hd, spec.dim), True
         yield f"blk.{i}.attn_v.weight", (spec.n_kv_heads * hd, spec.dim), True
+        if spec.attn_bias:
+            yield f"blk.{i}.attn_q.bias", (spec.n_heads * hd,), False
+            yield f"blk.{i}.attn_k.bias", (spec.n_kv_heads * hd,), False
+            yield f"blk.{i}.attn_v.bias", (spec.n_kv_heads * hd,), False
+        if spec.qk_norm:
+            yield f"blk.{i}.attn_q_norm.weight", (hd,), False
+            yield f"blk.{i}.attn_k_norm.weight", (hd,), False
         yield f"blk.{i}.attn_output.weight", (spec.dim, spec.n_heads * hd), True
+        if spec.attn_out_bias:
+            yield f"blk.{i}.attn_output.bias", (spec.dim,), False
         yield f"blk.{i}.ffn_norm.weight", (spec.dim,), False
         yield f"blk.{i}.ffn_gate.weight", (spec.ffn_dim, spec.dim), True
         yield f"blk.{i}.ffn_up.weight", (spec.ffn_dim, spec.dim), True
@@ -80,6 +103,8 @@ def _tensor_plan(spec: SyntheticSpec, vocab: int):
 
 
 def _values(rng: np.random.Generator, name: str, shape, is_matrix: bool) -> np.ndarray:
+    if name.endswith(".bias"):  # large enough that leaving one out changes the answers
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
     if not is_matrix:  # norm scales near 1
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     # scaled like a trained model's init so activations stay in a realistic range
@@ -101,12 +126,12 @@ def write_synthetic(path: str, spec: SyntheticSpec, tokenizer_gguf: str) -> None
         qtype = GGML[spec.qtype.upper()]
     except KeyError:
         raise DllamaError(f"unknown weight type {spec.qtype}") from None
-    if spec.dim % spec.n_heads or spec.n_heads % spec.n_kv_heads:
-        raise DllamaError("dim must divide into heads, and heads into KV heads")
+    if (spec.head_dim is None and spec.dim % spec.n_heads) or spec.n_heads % spec.n_kv_heads:
+        raise DllamaError("dim must divide into heads (or give head_dim), and heads into KV heads")
     vocab, tokenizer_fields = _tokenizer_fields(os.path.abspath(tokenizer_gguf), os.path.getmtime(tokenizer_gguf))
 
-    writer = GGUFWriter(path, "llama")
-    writer.add_name(f"synthetic-llama-{spec.dim}x{spec.n_layers}-{spec.qtype}")
+    writer = GGUFWriter(path, spec.arch)
+    writer.add_name(f"synthetic-{spec.arch}-{spec.dim}x{spec.n_layers}-{spec.qtype}")
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.dim)
     writer.add_block_count(spec.n_layers)
@@ -114,7 +139,10 @@ def write_synthetic(path: str, spec: SyntheticSpec, tokenizer_gguf: str) -> None
     writer.add_head_count(spec.n_heads)
     writer.add_head_count_kv(spec.n_kv_heads)
     writer.add_rope_freq_base(spec.rope_base)
-    writer.add_rope_dimension_count(spec.dim // spec.n_heads)
+    writer.add_rope_dimension_count(spec.head_size)
+    if spec.head_dim is not None:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     if spec.rope_scaling is not None:
         kind, factor, original_context = spec.rope_scaling
         writer.add_rope_scaling_type(RopeScalingType(kind))

@@ -123,7 +123,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("extra, key, fragment", [
-    ([("blk.0.attn_q.bias", (64,))], None, "tensor blk.0.attn_q.bias is not used"),
+    ([("blk.0.ffn_up.bias", (128,))], None, "tensor blk.0.ffn_up.bias is not used"),
     ([], ("rope.scaling.type", "longrope"), "llama.rope.scaling.type = 'longrope'"),
 ], ids=["unused-bias", "longrope"])
 def test_a_model_we_would_run_wrongly_is_refused(tmp_path, extra, key, fragment):
@@ -245,3 +245,16 @@ def test_models_list(model_path):
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("smollm2"))
     assert " pulled " in line and os.path.basename(model_path) in line
+
+
+@pytest.mark.parametrize("arch, flag", [("qwen2", "attn_bias"), ("qwen3", "qk_norm")])
+def test_models_synth_writes_other_architectures(tmp_path, model_path, arch, flag):
+    from dllama.gguf_model import GGUFModel
+
+    path = tmp_path / f"{arch}.gguf"
+    result = dllama("models", "synth", "--arch", arch, "--layers", "1", "--out", str(path))
+    assert result.returncode == 0, result.stderr
+    config = GGUFModel(path).config
+    assert config.arch == arch and getattr(config, flag) and config.rope_neox and config.n_layers == 1
+    assert_one_line_error(dllama("models", "synth", "--arch", arch, "--preset", "tiny", "--out", str(path)),
+                          "--preset")

@@ -22,6 +22,8 @@ REFERENCE = ROOT / ".reference-avx2"
 BIT_EXACT_TESTS = ["tests/test_fidelity.py::test_teacher_forced_logits_are_bit_identical",
                    "tests/test_fidelity.py::test_greedy_decode_equals_llama_cpp",
                    "tests/test_fidelity.py::test_synthetic_native_formats",
+                   "tests/test_fidelity.py::test_synthetic_architectures",
+                   "tests/test_fidelity.py::test_synthetic_rope_scaling",
                    "tests/test_cli.py::test_perplexity_within_llama_cpp_s_own_spread"]
 
 

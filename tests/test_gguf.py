@@ -268,7 +268,7 @@ def _tiny_tensors(extra=(), replace=None):
 
 
 @pytest.mark.parametrize("name, shape", [
-    ("blk.0.attn_q.bias", (64,)), ("blk.0.attn_output.bias", (64,)), ("blk.0.ffn_up.bias", (128,)),
+    ("blk.0.ffn_up.bias", (128,)), ("blk.0.ffn_norm.bias", (64,)),
     ("blk.0.attn_q_norm.weight", (16,)), ("blk.1.attn_norm.weight", (64,)), ("cls.weight", (2, 64)),
 ])
 def test_a_tensor_the_model_would_not_use_is_refused(tmp_path, name, shape):

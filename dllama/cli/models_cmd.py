@@ -34,7 +34,10 @@ def pull(name, quiet):
 
 
 @models.command()
-@click.option("--preset", type=click.Choice(["tiny", "1b"]), default="1b", show_default=True)
+@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3"]), default="llama", show_default=True,
+              help="Architecture; qwen2 and qwen3 take the shapes of Qwen2.5-0.5B and Qwen3-0.6B.")
+@click.option("--preset", type=click.Choice(["tiny", "1b"]), default=None,
+              help="Shapes of a llama model (default: 1b).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
               help="Output .gguf (default: models folder, synthetic-<preset>-<qtype>.gguf).")
 @click.option("--qtype", default=None, help="Weight type (default: the preset's, Q4_0).")
@@ -45,10 +48,14 @@ def pull(name, quiet):
 @click.option("--ffn", type=int, default=None)
 @click.option("--tied/--untied", default=None, help="Reuse the token embedding as LM head.")
 @click.option("--seed", type=int, default=None)
-def synth(preset, out, qtype, dim, layers, heads, kv_heads, ffn, tied, seed):
-    """Write a synthetic llama GGUF: random weights, real metadata, the default model's tokenizer."""
+def synth(arch, preset, out, qtype, dim, layers, heads, kv_heads, ffn, tied, seed):
+    """Write a synthetic GGUF: random weights, real metadata, the default model's tokenizer."""
+    from ..errors import DllamaError
     from ..synthetic import PRESETS, write_synthetic
 
+    if preset is not None and arch != "llama":
+        raise DllamaError(f"--preset gives llama shapes; --arch {arch} has its own")
+    preset = preset or ("1b" if arch == "llama" else arch)
     spec = PRESETS[preset]
     overrides = {"qtype": qtype, "dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv_heads,
                  "ffn_dim": ffn, "tied_embeddings": tied, "seed": seed}
