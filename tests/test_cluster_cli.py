@@ -293,4 +293,4 @@ def test_idle_chat_keeps_its_workers(workers):
     text = "".join(line for _t, line in log)
     assert not [line for t, line in log if idle_from <= t <= idle_to], text  # silent while the user thinks
     assert text.count("connected") == 1 and text.count("tensors (") == 1, text  # one session, weights sent once
-    assert not re.search(r"no reply|sent nothing|ended|failed|WARNING", text), text
+    assert not re.search(r"no reply|sent nothing|failed|error", text), text  # "the root ended it" at exit is fine
