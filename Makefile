@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install model chat test aarch64 reference-avx2 bench bench-deps clean
+.PHONY: install model chat test aarch64 reference-avx2 browser bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,9 +34,14 @@ aarch64:
 reference-avx2: install
 	sh tests/reference/build_avx2.sh
 
+# Debian's chromium for the chat page's browser test (tests/test_chat_page.py, which Playwright drives);
+# where it cannot be installed (not root, no apt-get) the script says why and the test skips.
+browser:
+	sh tests/browser/install_chromium.sh
+
 # two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles
 test:
-	$(MAKE) --jobs=2 model aarch64 reference-avx2
+	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
 	$(BIN)/python -m pytest -q
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).

@@ -9,8 +9,10 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -206,3 +208,27 @@ def read_to_close(sock, timeout: float) -> tuple[bytes, bool]:
         if not chunk:
             return data, True
         data += chunk
+
+
+@contextlib.contextmanager
+def cli_server(*args: str):
+    """`dllama serve ARGS --port 0` as a subprocess, once /health says ready: (proc, base URL).
+    On leaving, SIGTERM must stop it with exit code 0 and no traceback."""
+    cmd = [sys.executable, "-m", "dllama", "serve", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "DLLAMA_DEBUG"})
+    try:
+        m, log = read_until(proc, r"listening on (http://127\.0\.0\.1:\d+)", 120)
+        assert m, log
+        url = m.group(1)
+        assert wait_until(lambda: get(url, "/health")[0] == 200, 180, interval=0.2), log
+        yield proc, url
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        _m, log = read_until(proc, r"$^", 5)
+        assert "Traceback" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

@@ -7,13 +7,10 @@ Generator on a separate engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -28,7 +25,8 @@ from dllama.sampling import SamplingParams
 from dllama.server import ServerConfig, make_app
 from dllama.server.app import SERVER
 
-from .server_helpers import RawStream, ServerThread, children, get, metrics, post, read_until, wait_until
+from .server_helpers import (RawStream, ServerThread, children, cli_server, get, metrics, post, request,
+                             wait_until)
 
 CTX = 1024
 GREEDY = SamplingParams(temperature=0.0)
@@ -107,6 +105,44 @@ def test_models_and_health(server, client, model_name):
     health = json.loads(text)
     assert health["status"] == "ok" and health["nodes"] == 1 and health["node_status"] == {"root": "up"}
     assert health["model"] == model_name and health["context"] == CTX
+
+
+def test_status_for_the_chat_page(server, client, model_name):
+    """/status, which the chat page polls: /health's figures, each node in detail (one process:
+    the root holds the whole model) and the speed of the last answer, never its text."""
+    client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=8, temperature=0)
+    status, text = get(server.url, "/status")
+    assert status == 200
+    body = json.loads(text)
+    assert body["status"] == "ok" and body["model"] == model_name and body["context"] == CTX
+    assert body["queue_length"] == 0 and body["running"] == 0 and body["sync_mode"] == "reduce"
+    [root] = body["nodes"]
+    assert root["node"] == "root" and root["address"] is None and root["up"] is True and root["share"] == 1.0
+    assert root["rss_mb"] > 50 and root["ms_per_token"] > 0
+    last = body["last_answer"]
+    assert 1 < last["tokens"] <= 8 and last["tokens_per_s"] > 0 and last["finish_reason"] in ("stop", "length")
+    assert set(last["ms_per_token"]) == {"total", "compute", "sync"}
+    assert "Paris" not in text and "text" not in last  # anyone with the key may poll it
+
+
+@pytest.mark.parametrize("path,content_type", [("/", "text/html"), ("/static/chat.js", "text/javascript"),
+                                               ("/static/chat.css", "text/css")])
+def test_chat_page_files(server, path, content_type):
+    """The chat page comes from the package itself, needs nothing from another host (it works
+    offline), and its Content-Security-Policy lets only its own script run."""
+    status, headers, body = request(server.url, "GET", path)
+    assert status == 200 and headers["Content-Type"].startswith(content_type)
+    assert "script-src 'self'" in headers["Content-Security-Policy"]
+    assert "http://" not in body and "https://" not in body and "//cdn" not in body
+    if path == "/":
+        assert 'src="/static/chat.js"' in body and 'href="/static/chat.css"' in body
+        assert 'name="viewport"' in body  # phone screens get the page at their width
+
+
+def test_only_the_page_files_are_served(server):
+    """A fixed list of files, not a directory: no other file of the package can be reached."""
+    for path in ("/static/app.py", "/static/", "/static/../app.py", "/index.html"):
+        assert request(server.url, "GET", path)[0] == 404, path
 
 
 def test_loading_server_answers_503(server, client, model_name):
@@ -484,30 +520,6 @@ def test_cli_serve_reports_a_worker_it_lost(model_path, model_name, f64_answer):
         m = metrics(url)
         assert sorted(v for (name, _labels), v in m.items() if name == "dllama_node_up") == [0, 1]
         assert m[("dllama_nodes", ())] == 1 and m[("dllama_cluster_events_total", ())] >= 2
-
-
-@contextlib.contextmanager
-def cli_server(*args: str):
-    """`dllama serve ARGS --port 0` as a subprocess, once /health says ready: (proc, base URL).
-    On leaving, SIGTERM must stop it with exit code 0 and no traceback."""
-    cmd = [sys.executable, "-m", "dllama", "serve", "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "DLLAMA_DEBUG"})
-    try:
-        m, log = read_until(proc, r"listening on (http://127\.0\.0\.1:\d+)", 120)
-        assert m, log
-        url = m.group(1)
-        assert wait_until(lambda: get(url, "/health")[0] == 200, 180, interval=0.2), log
-        yield proc, url
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        _m, log = read_until(proc, r"$^", 5)
-        assert "Traceback" not in log, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
 
 
 SERVE_THREE_WORKERS = ("--local-workers", "3", "--ctx-size", "256", "--threads", "1", "--sync-dtype", "f64",

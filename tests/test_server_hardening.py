@@ -231,16 +231,26 @@ def keyed(loaded):
                                      {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}],
                          ids=["missing", "wrong", "no-scheme", "basic", "longer"])
 def test_requests_without_the_key_are_401(keyed, headers):
-    """Every path but /health: unknown ones too, so that no spelling of a path gets past."""
+    """Every path but /health and the chat page's files: unknown ones too, so that no spelling of a path
+    gets past."""
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-                         ("GET", "/metrics"), ("GET", "/v1/nowhere"), ("GET", "/nowhere"), ("GET", "//v1/models"),
-                         ("GET", "/v1/./models")]:
+                         ("GET", "/metrics"), ("GET", "/status"), ("GET", "/v1/nowhere"), ("GET", "/nowhere"),
+                         ("GET", "/static/nowhere.js"), ("GET", "//v1/models"), ("GET", "/v1/./models")]:
         body = json.dumps(chat()).encode() if method == "POST" else None
         status, resp_headers, text = request(keyed, method, path, body, headers)
         assert status == 401, (path, text)
         assert resp_headers.get("WWW-Authenticate", "").startswith("Bearer")
         assert_openai_error(json.loads(text), "invalid_api_key")
     assert get(keyed, "/health")[0] == 200  # open to load balancers' probes
+
+
+def test_the_chat_page_opens_without_the_key(keyed):
+    """The page's files hold no data, and the page asks the user for the key; what it then polls
+    (/status: the workers' addresses) needs the key, as /metrics does."""
+    for path in ("/", "/static/chat.js", "/static/chat.css"):
+        assert request(keyed, "GET", path)[0] == 200, path
+    status, _h, text = request(keyed, "GET", "/status", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and json.loads(text)["status"] == "ok"
 
 
 def test_the_openai_client_needs_the_right_key(keyed, model_path):

@@ -33,8 +33,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
               help="Largest request body (HTTP 413 above it).")
 @click.option("--model-name", default=None, help="Model id in /v1/models and responses (default: the GGUF's stem).")
 @click.option("--api-key", envvar="DLLAMA_API_KEY", default=None, metavar="KEY",
-              help="Require 'Authorization: Bearer KEY' on every request but /health (env DLLAMA_API_KEY, which "
-                   "keeps the key out of the process list).")
+              help="Require 'Authorization: Bearer KEY' on every request but /health and the chat page's files (env "
+                   "DLLAMA_API_KEY, which keeps the key out of the process list).")
 @click.option("--insecure", is_flag=True,
               help="Allow a --host other than loopback without --api-key (anyone who reaches the port may use it).")
 @click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
@@ -47,8 +47,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, api_key, insecure, header_timeout,
           body_timeout, max_connections, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions, completions, models,
-    /health, /metrics). A request that omits a sampling field gets OpenAI's default (temperature 1,
-    top_p 1) unless the option is given here."""
+    /health, /metrics) and a chat page at / (its panel polls /status). A request that omits a
+    sampling field gets OpenAI's default (temperature 1, top_p 1) unless the option is given here."""
     from ..server import ServerConfig
     from ..server.openai_schema import OPENAI_SAMPLING
 

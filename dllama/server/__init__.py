@@ -1,5 +1,5 @@
 """`dllama serve`: an OpenAI-compatible HTTP API (chat completions, completions, models, health,
-Prometheus metrics) in front of an Engine."""
+Prometheus metrics) and a chat page (static/) in front of an Engine."""
 
 from .app import ServerConfig, attach, bound_port, make_app, start_server
 

@@ -8,7 +8,10 @@ queue or generating) is cancelled and the Generator stops between two steps.
 Against hostile clients: a request head must arrive within `header_timeout` and a body within
 `body_timeout`, at most `max_connections` are open at once (connections.py), a JSON body may nest
 `max_json_depth` deep and hold no NaN or infinity (openai_schema.parse_json), and with an
-`api_key` every request but /health must carry it as a bearer token.
+`api_key` every request but /health and the chat page's files must carry it as a bearer token.
+
+The chat page (static/, served at /) talks to the same API as any client: it streams from
+/v1/chat/completions and polls /status for its panel.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from importlib import resources
 
 from aiohttp import web
 
 from .. import __version__
+from ..cluster.node import rss_mb
 from ..errors import ContextOverflow, DllamaError
 from ..generate import Generation, Generator
 from ..sampling import SamplingParams
@@ -110,6 +115,53 @@ class ServerState:
         if events:
             body["last_event"] = events[-1]  # the cluster's last failure or recovery
         return (503 if problem else 200), body
+
+    def status(self) -> dict:
+        """What the chat page's status panel shows, in one poll: /health's figures, every node in
+        detail, and the speed of the last answer (never its text: any key holder may poll this)."""
+        _code, body = self.health()
+        body.pop("node_status", None)  # detailed in "nodes" instead of counted
+        body["nodes"] = self.node_details()
+        body["max_tokens_limit"] = self.config.max_tokens_limit
+        last = self.metrics.last
+        body["last_answer"] = None if last is None else {
+            "tokens": len(last["tokens"]), "finish_reason": last["finish_reason"],
+            "tokens_per_s": last["tokens_per_s"], "prefill_tokens_per_s": last["prefill_tokens_per_s"],
+            "ms_per_token": last["ms_per_token"], "bytes_per_token": last["bytes_per_token"]}
+        return body
+
+    def node_details(self) -> list[dict]:
+        """Each node: name, address (None for the root: this server), share of the FFN rows (the
+        unit that --weights divides), up, ms of its last step and RSS. The root has no step figures
+        of its own: it gets the last answer's wall time per token and this process's RSS."""
+        engine = self.engine
+        if engine is None:
+            return []
+        nodes = self.nodes()
+        # node_status lists the root, then every configured worker in the order of `addresses`
+        configured = [f"{host}:{port}" for host, port in getattr(engine, "addresses", ())]
+        addresses = [None] + configured if len(configured) == len(nodes) - 1 else [None] * len(nodes)
+        plan = getattr(engine, "plan", None)
+        last = self.metrics.last or {}
+        details = []
+        for i, (node, address) in enumerate(zip(nodes, addresses)):
+            stats, rank = node.get("stats") or {}, node.get("rank")
+            if plan is None:  # one process holds the whole model
+                share = 1.0 if node["up"] else 0.0
+            elif node["up"] and rank is not None and rank < len(plan.shards):
+                start, stop = plan.shards[rank].ffn
+                share = (stop - start) / engine.config.ffn_dim
+            else:
+                share = 0.0
+            if i == 0:
+                ms = last.get("ms_per_token", {}).get("total")
+                rss = rss_mb()
+            else:
+                ms = stats["step_s"] * 1e3 if "step_s" in stats else None
+                rss = stats.get("rss_mb")
+            details.append({"node": node["node"], "address": address, "up": node["up"], "share": share,
+                            "ms_per_token": ms, "rss_mb": rss})
+        return details
 
     def require_ready(self):
         if self.runtime is None:
@@ -370,11 +422,34 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": prom.CONTENT_TYPE})
 
 
+async def cluster_status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVER].status(), dumps=_dumps)
+
+
+# The chat page: a fixed set of files shipped in the package (no directory is served, so no path
+# can reach another file). The page asks for the API key itself, so its files need none.
+STATIC_FILES = {"/": ("index.html", "text/html"), "/static/chat.js": ("chat.js", "text/javascript"),
+                "/static/chat.css": ("chat.css", "text/css")}
+# Defence in depth behind the page's own escaping: only its own script and style ever run.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                                           "img-src 'self' data:; connect-src 'self'; object-src 'none'; "
+                                           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-cache"}  # revalidate: a new version's page, not a stale one
+
+
+async def static_file(request: web.Request) -> web.Response:
+    name, content_type = STATIC_FILES[request.match_info.route.resource.canonical]
+    body = resources.files(__package__).joinpath("static", name).read_bytes()
+    return web.Response(body=body, content_type=content_type, charset="utf-8", headers=PAGE_HEADERS)
+
+
 def _needs_key(request: web.Request) -> bool:
-    """Every request but GET /health, which load balancers' probes call: the API, the metrics
-    (they name the workers' addresses) and unknown URLs, so that no spelling of a path
-    (//v1/models, /v1/./models) can slip past a list of protected prefixes."""
-    return request.match_info.handler is not health
+    """Every request but GET /health, which load balancers' probes call, and the chat page's
+    files (they hold no data): the API, the metrics and /status (they name the workers'
+    addresses) and unknown URLs, so that no spelling of a path (//v1/models, /v1/./models) can
+    slip past a list of protected prefixes."""
+    return request.match_info.handler not in (health, static_file)
 
 
 @web.middleware
@@ -465,6 +540,9 @@ def make_app(runtime, config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", cluster_status)
+    for path in STATIC_FILES:
+        app.router.add_get(path, static_file)
     return app
 
 
