@@ -35,8 +35,8 @@ if [ -n "$need" ]; then
     echo "make aarch64: apt-get install$need"
     export DEBIAN_FRONTEND=noninteractive
     # a fresh machine may have no package lists yet
-    apt-get install -y -qq --no-install-recommends $need >/dev/null 2>&1 \
-        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $need >/dev/null; } \
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $need >/dev/null 2>&1 \
+        || { apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null 2>&1 && apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $need >/dev/null; } \
         || skip "apt-get install$need failed"
 fi
 
