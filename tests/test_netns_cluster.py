@@ -17,6 +17,7 @@ from dllama.net.netns import NetnsTestbed, NetnsUnavailable
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 PORT = 9998
+SECRET = "netns-test-secret"  # workers on a non-loopback address refuse to start without one
 
 
 @pytest.fixture(scope="module", params=[None, "100mbit"], ids=["veth", "100mbit"])
@@ -30,7 +31,8 @@ def hosts(request):
     try:
         for i in (1, 2, 3):
             proc = subprocess.Popen([*bed.prefix(i), sys.executable, "-m", "dllama", "worker", "--host",
-                                     bed.addresses[i], "--port", str(PORT), "--threads", "1", "--no-cache"],
+                                     bed.addresses[i], "--port", str(PORT), "--threads", "1", "--no-cache",
+                                     "--secret", SECRET],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             workers.append(proc)
             line = proc.stdout.readline()
@@ -50,7 +52,8 @@ def hosts(request):
 def _root(bed, *args, input=None, timeout=600):
     workers = ",".join(f"{bed.addresses[i]}:{PORT}" for i in (1, 2, 3))
     return subprocess.run([*bed.prefix(0), sys.executable, "-m", "dllama", *args, "--workers", workers,
-                           "--threads", "1"], capture_output=True, text=True, input=input, timeout=timeout)
+                           "--threads", "1", "--secret", SECRET], capture_output=True, text=True, input=input,
+                          timeout=timeout)
 
 
 QUESTION = "Write one sentence about lighthouses.\n"

@@ -1,29 +1,32 @@
-"""Fuzz a worker daemon: 10,000+ random and mutated frames over real sockets, then check the worker
-still serves a root, did not grow its memory, and never crashed."""
+"""Fuzz a worker daemon over real sockets: 10,000+ random and mutated frames before the handshake,
+and 10,000+ mutated messages after it (SETUP, TENSOR, FORWARD, ACTIVATIONS, GO, END, from a
+client that got past the handshake with no secret); then check the worker still serves a root
+the right answer, did not grow its memory, and never crashed or logged a traceback."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import os
 import random
+import time
 
 import msgpack
+import numpy as np
 import pytest
 
-from dllama.net.frames import HEADER, KINDS, MAGIC, PROTOCOL_VERSION, pack_msg
+from dllama.cluster import messages as M
+from dllama.cluster import protocol as P
+from dllama.cluster.slices import make_entry, tensor_bytes
+from dllama.errors import NetworkError, PeerTimeout
+from dllama.gguf_model import GGUFModel
+from dllama.net.frames import HEADER, KINDS, MAGIC, PROTOCOL_VERSION, pack_msg, unpack_msg
 
-from .cluster_helpers import WorkerProcess, run_dllama
+from .cluster_helpers import HandRoot, WorkerProcess, one_node_answer, root_answer, run_dllama
 
 N_FRAMES = 10_000
 SECRET = "fuzz-secret"
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _frame(rng: random.Random) -> bytes:
@@ -86,17 +89,18 @@ async def _fuzz(port: int, seed: int) -> int:
     return sent
 
 
-def test_worker_survives_fuzzed_frames_and_still_serves_a_root():
-    worker = WorkerProcess("--no-cache", "--secret", SECRET, "--timeout", "5")
+def test_worker_survives_fuzzed_frames_and_still_serves_a_root(tmp_path):
+    # its log in a file: ~500 lines of rejected connections would fill a pipe and stall the worker
+    worker = WorkerProcess("--no-cache", "--secret", SECRET, "--timeout", "5", log_file=tmp_path / "worker.log")
     try:
         warm = run_dllama("inference", "-p", "hi", "-n", "2", "--threads", "1", "--workers", worker.address,
                           "--secret", SECRET, "--json")
         assert warm.returncode == 0, warm.stderr
-        rss_before = _rss_mb(worker.proc.pid)
+        rss_before = worker.rss_mb()
         sent = asyncio.run(_fuzz(worker.port, seed=int.from_bytes(os.urandom(2), "little")))
         assert sent >= N_FRAMES
         assert worker.proc.poll() is None, "the worker died under fuzzing"
-        rss_after = _rss_mb(worker.proc.pid)
+        rss_after = worker.rss_mb()
         assert rss_after < rss_before + 64, f"RSS grew from {rss_before:.0f} to {rss_after:.0f} MB"
         r = run_dllama("inference", "-p", "The capital of France is", "-n", "8", "--temperature", "0",
                        "--threads", "1", "--workers", worker.address, "--secret", SECRET, "--json")
@@ -126,3 +130,303 @@ def test_worker_rejects_non_protocol_clients(payload):
         assert r.returncode == 0, r.stderr
     finally:
         worker.stop()
+
+
+# ------------------------------------------------------------------ after the handshake
+
+N_MUTATED = 10_000
+BATCHES = 10
+PROMPT = [1, 17, 300, 4242, 99]
+N_TOKENS = 6
+
+# values a hostile root might put anywhere: wrong types, edges of every integer width, non-finite
+# floats, paths, empty and nested containers
+NASTY = (None, True, False, 0, -1, 1, -64, 2 ** 31, 2 ** 32 + 1, 2 ** 63 - 1, -2 ** 63, 2 ** 64 - 1, 0.5, -0.0, 1e308,
+         -1e308, math.nan, math.inf, -math.inf, "", "x" * 1000, "../../victim", "/etc/passwd", "\x00", b"",
+         b"\xff" * 64, [], {}, [None], [[[[1]]]], {"": 1}, [-1, -1])
+
+
+def _paths(obj, path=()):
+    yield path
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, path + (i,))
+
+
+def _int64(v: int) -> int:
+    return v if -2 ** 63 <= v < 2 ** 64 else 2 ** 63 - 1
+
+
+def _changed(rng: random.Random, value):
+    """A neighbour of value, of its type or not."""
+    if rng.random() < 0.3:
+        return rng.choice(NASTY)
+    if isinstance(value, bool) or value is None:
+        return rng.choice(NASTY)
+    if isinstance(value, int):
+        return _int64(rng.choice([value + 1, value - 1, -value, value * 2 ** rng.randrange(1, 40),
+                                  rng.randrange(-2 ** 40, 2 ** 40), value + 32, value - 32]))
+    if isinstance(value, float):
+        return rng.choice([math.nan, math.inf, -value, value * 1e300, value + 1, 0.0])
+    if isinstance(value, str):
+        return rng.choice([value[:rng.randrange(len(value) + 1)], value + rng.choice(["0", "/", "..", "\u00e9"]),
+                           value.upper(), value[::-1]])
+    if isinstance(value, list):
+        value = list(value)
+        op = rng.randrange(5)
+        if op == 0 and value:
+            del value[rng.randrange(len(value))]
+        elif op == 1 and value:
+            value.insert(rng.randrange(len(value)), value[rng.randrange(len(value))])
+        elif op == 2:
+            value.append(rng.choice(NASTY))
+        elif op == 3:
+            value = []
+        else:
+            value.reverse()
+        return value
+    if isinstance(value, dict):
+        value = dict(value)
+        if value and rng.random() < 0.5:
+            del value[rng.choice(list(value))]
+        else:
+            value[rng.choice(["x", "evil", "__class__", *[k + "_" for k in value]])] = rng.choice(NASTY)
+        return value
+    return rng.choice(NASTY)
+
+
+def mutate(rng: random.Random, body: dict) -> str:
+    """Change body in one random spot (a value, a key, a length); returns where."""
+    path = rng.choice(list(_paths(body)))
+    if not path:  # a key more or less at the top
+        if rng.random() < 0.5 and body:
+            del body[rng.choice(list(body))]
+        else:
+            body[rng.choice(["x", "evil", "one_token"])] = rng.choice(NASTY)
+        return "$"
+    parent = body
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = _changed(rng, parent[path[-1]])
+    return "$." + ".".join(map(str, path))
+
+
+def _accepted(schema, body, setup=None):
+    """The schema's verdict (the worker's must be the same): the decoded message, or None."""
+    try:
+        message = M.decode(P.SETUP, schema, body)
+        return message.check(setup) if setup is not None else message
+    except M.InvalidMessage:
+        return None
+
+
+def _plain(message) -> dict:
+    """A message as the worker sees it: msgpack lists and maps only."""
+    return unpack_msg(pack_msg(M.to_wire(message)))
+
+
+class PostHandshakeFuzzer:
+    """Sends mutated messages, each in the session state where it is expected, and checks that
+    the worker's verdict (answer, FAILED, or a dropped connection) is the schema's."""
+
+    def __init__(self, rng: random.Random, root: HandRoot):
+        self.rng, self.root = rng, root
+        self.sent = collections.Counter()
+        self.refused = 0
+        self.in_session = False
+        self.setup = None
+
+    async def _end(self) -> None:
+        await self.root.close()
+        self.in_session = False
+
+    async def setup_message(self) -> None:
+        root, rng = self.root, self.rng
+        body = _plain(root.setup())
+        where = mutate(rng, body)
+        valid = _accepted(M.Setup, body) is not None
+        try:
+            kind, reply = await root.send_setup(body)
+        finally:
+            await self._end()
+        self.sent["SETUP"] += 1
+        # a valid SETUP may still ask for more memory than this machine has
+        assert (kind == P.NEED.name or "available" in reply["error"]) if valid else kind == P.FAILED.name, \
+            (where, kind, reply)
+        self.refused += kind == P.FAILED.name
+
+    async def tensor_message(self) -> None:
+        """A SETUP with one vector of new content, so the worker needs it, then its TENSOR frame
+        as it should be or corrupted."""
+        root, rng = self.root, self.rng
+        name = rng.choice([e.name for e in root.manifest if e.rows == 0])
+        fresh = np.asarray([rng.gauss(0, 1) for _ in range(root.config.dim)], np.float32)
+        entry = make_entry(name, fresh)
+        try:
+            kind, reply = await root.send_setup(M.to_wire(root.setup(
+                manifest=[entry if e.name == name else e for e in root.manifest])))
+            assert kind == P.NEED.name and reply["names"] == [name], reply
+            raw, frame_kind, op = tensor_bytes(fresh).tobytes(), P.TENSOR, rng.randrange(8)
+            if op == 1:
+                raw = raw[:rng.randrange(len(raw))]
+            elif op == 2:
+                raw += bytes(rng.randrange(1, 64))
+            elif op == 3:
+                flipped = bytearray(raw)
+                flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+                raw = bytes(flipped)
+            elif op == 4:
+                frame_kind = rng.choice([P.ACTIVATIONS, P.FORWARD, P.GO, P.END, P.SETUP])
+                if frame_kind.body != "raw":
+                    raw = pack_msg({"names": raw})
+            elif op == 5:
+                raw = raw + raw
+            root.conn.write_frame(frame_kind, raw)
+            if op == 6:  # cut off mid-transfer
+                root.conn.transport.abort()
+                return
+            try:
+                kind, reply = await root.reply(P.LOADED)
+            except NetworkError:
+                kind, reply = "dropped", {}
+            assert (kind == P.LOADED.name) == (op in (0, 7)), (op, kind, reply)
+            self.refused += kind != P.LOADED.name
+        finally:
+            self.sent["TENSOR"] += 1
+            await self._end()
+
+    async def step_message(self, what: str) -> None:
+        """A FORWARD (mutated) with its activations, or a FORWARD with mutated activations, in a
+        session that is set up; a step the schema accepts runs on the root too."""
+        root, rng = self.root, self.rng
+        if not self.in_session:
+            await root.open_session()
+            self.in_session, self.setup = True, root.current
+        n = rng.randrange(1, 5)
+        logits = rng.choice(["none", "last", "all"])
+        step, x = root.forward([rng.randrange(root.config.vocab_size) for _ in range(n)],
+                               start=rng.randrange(root.ctx - n + 1), logits=logits,
+                               recent=[rng.randrange(root.config.vocab_size) for _ in range(rng.randrange(4))],
+                               targets=[rng.randrange(root.config.vocab_size) for _ in range(n)]
+                               if logits == "all" and rng.random() < 0.5 else None)
+        body, payload, frame_kind = _plain(step), x, P.ACTIVATIONS
+        if what == "FORWARD":
+            where = mutate(rng, body)
+        else:
+            payload, frame_kind, where = self._mutated_activations(x)
+        run = _accepted(M.Forward, body, self.setup)
+        if run is not None and not (frame_kind == P.ACTIVATIONS and isinstance(payload, np.ndarray)
+                                    and payload.shape == (run.n, root.config.dim) and np.isfinite(payload).all()):
+            run = None
+        try:
+            kind, reply = await root.send_step(body, payload, run, frame_kind)
+        except PeerTimeout as e:  # never right: the worker answers or drops the connection at once
+            raise AssertionError(f"no answer to {what} ({where}): {body}") from e
+        except NetworkError:
+            kind, reply = "dropped", {}
+        self.sent[what] += 1
+        assert (kind == P.RESULT.name) == (run is not None), (what, where, kind, reply)
+        if kind != P.RESULT.name:
+            self.refused += 1
+            await self._end()
+
+    def _mutated_activations(self, x: np.ndarray):
+        rng = self.rng
+        x = x.copy()
+        op = rng.randrange(9)
+        if op <= 2:  # a value that is not finite
+            x.reshape(-1)[rng.randrange(x.size)] = [np.nan, np.inf, -np.inf][op]
+            return x, P.ACTIVATIONS, f"non-finite {op}"
+        if op == 3:  # finite extremes are valid
+            x.reshape(-1)[rng.randrange(x.size)] = rng.choice([3e38, -3e38, 1e-45, 0.0])
+            return x, P.ACTIVATIONS, "extreme"
+        if op == 4:
+            return x.tobytes()[:-rng.choice([4, 1, x.shape[1] * 4])], P.ACTIVATIONS, "short"
+        if op == 5:
+            return x.tobytes() + bytes(rng.choice([4, 1, x.shape[1] * 4])), P.ACTIVATIONS, "long"
+        if op == 6:
+            return b"", P.ACTIVATIONS, "empty"
+        if op == 7:
+            return x, P.TENSOR, "as a TENSOR frame"
+        return pack_msg({"start": 0}), P.FORWARD, "a second FORWARD instead"
+
+    async def go_or_end_message(self) -> None:
+        """GO with fields it must not have (a valid GO would wait for a sync group), or END with
+        any body: either way the session ends."""
+        root, rng = self.root, self.rng
+        try:
+            kind, reply = await root.send_setup(M.to_wire(root.setup()))
+            assert kind == P.NEED.name, reply
+            await root.send_tensors(reply["names"])
+            kind, reply = await root.reply(P.LOADED, timeout=30)
+            assert kind == P.LOADED.name, reply
+            body = {rng.choice(["x", "session", "measure"]): rng.choice(NASTY)}
+            frame_kind = rng.choice([P.GO, P.END])
+            await root.conn.send_msg(frame_kind, body)
+            try:
+                kind, reply = await root.reply(P.READY)
+            except NetworkError:
+                kind, reply = "dropped", {}
+            assert kind in (P.FAILED.name, "dropped") and "invalid" in reply.get("error", "invalid"), reply
+            self.refused += 1
+            self.sent[frame_kind.name.split(".")[1].upper()] += 1
+        finally:
+            await self._end()
+
+    async def batch(self, n: int) -> None:
+        goal = sum(self.sent.values()) + n
+        while sum(self.sent.values()) < goal:
+            r = self.rng.random()
+            if r < 0.47 or r >= 0.97:
+                await self._end()  # those start a session of their own: the worker serves one root at a time
+            if r < 0.35:
+                await self.setup_message()
+            elif r < 0.47:
+                await self.tensor_message()
+            elif r < 0.77:
+                await self.step_message("FORWARD")
+            elif r < 0.97:
+                await self.step_message("ACTIVATIONS")
+            else:
+                await self.go_or_end_message()
+        await self._end()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the root's logits of 3e38 inputs
+def test_worker_survives_mutated_messages_after_the_handshake(synthetic_model, tmp_path, one_compute_thread):
+    """A client with no secret gets past the handshake and sends 10,000+ mutated messages, each
+    where the protocol expects its kind, in batches. The worker refuses exactly what the
+    schema refuses (one FAILED or a dropped connection, one log line, no traceback), after
+    every batch a real root gets the 1-node answer from it, and its RSS ends where it started."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"\npost-handshake fuzz seed: {seed}")
+    rng = random.Random(seed)
+    model = GGUFModel(synthetic_model("Q4_1"))
+    worker = WorkerProcess("--cache-dir", str(tmp_path / "cache"), "--timeout", "5", log_file=tmp_path / "worker.log")
+    address = ("127.0.0.1", worker.port)
+
+    async def run():
+        answer = await one_node_answer(model, PROMPT, N_TOKENS)
+        assert await root_answer(model, address, PROMPT, N_TOKENS) == answer  # compiles, fills the cache
+        rss_start = worker.rss_mb()
+        fuzzer = PostHandshakeFuzzer(rng, HandRoot(model, address))
+        t0 = time.perf_counter()
+        for batch in range(BATCHES):
+            await fuzzer.batch(N_MUTATED // BATCHES)
+            assert worker.proc.poll() is None, f"seed {seed}: the worker died in batch {batch}"
+            assert await root_answer(model, address, PROMPT, N_TOKENS) == answer, f"seed {seed}, batch {batch}"
+        return fuzzer, rss_start, worker.rss_mb(), time.perf_counter() - t0
+
+    try:
+        fuzzer, rss_start, rss_end, elapsed = asyncio.run(run())
+    finally:
+        log = worker.stop()
+    assert "Traceback" not in log, f"seed {seed}: " + log[log.index("Traceback") - 2000:][:6000]
+    total = sum(fuzzer.sent.values())
+    print(f"{total} mutated messages ({dict(fuzzer.sent)}), {fuzzer.refused} refused, {BATCHES} batches, "
+          f"{elapsed:.0f} s; worker RSS {rss_start:.0f} -> {rss_end:.0f} MB")
+    assert total >= N_MUTATED
+    assert rss_end < rss_start + 50, f"seed {seed}: RSS grew from {rss_start:.0f} to {rss_end:.0f} MB"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -170,6 +172,20 @@ def _address(text: str) -> tuple[str, int]:
     from ..cluster.root import parse_address
 
     return parse_address(text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` stands for is a loopback one (127.0.0.0/8, ::1). A name that
+    does not resolve counts as not loopback: the check errs on the safe side."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def info(message: str) -> None:

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..cluster.slice_cache import default_cache_dir
-from .common import run_async
+from .common import fail, info, is_loopback, run_async
 
 
 @click.command()
@@ -24,10 +24,22 @@ from .common import run_async
 @click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
               help="Seconds a silent peer is given before it is declared dead.")
 @click.option("--max-memory", type=click.IntRange(1), default=None, metavar="MB",
-              help="Refuse a slice (with its KV cache) larger than this.")
+              help="Refuse a slice (with its KV cache) larger than this (default: the available memory "
+                   "less a margin).")
+@click.option("--setup-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="S",
+              help="A root that connected must send its first request within S seconds (heartbeats do not count).")
+@click.option("--insecure", is_flag=True,
+              help="Allow a --host other than loopback without --secret (anyone who reaches the port may use it).")
 @click.option("--quiet", "-q", is_flag=True, help="Log warnings only.")
-def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, quiet):
+def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, setup_timeout, insecure, quiet):
     """Serve roots: receive a slice of the model, then run forward steps on command."""
+    secret = secret or None  # DLLAMA_SECRET= (empty) means no secret
+    if secret is None and not is_loopback(host):
+        if not insecure:
+            fail(f"--host {host} is not a loopback address and no secret is set: give --secret S (or "
+                 "DLLAMA_SECRET), or --insecure to let anyone who reaches the port use this worker")
+        info(f"warning: serving on {host} without a secret (--insecure): anyone who reaches the port may use "
+             "this worker")
     from ..cluster.worker import serve
     from ..kernels import set_threads
 
@@ -42,4 +54,5 @@ def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory
 
     run_async(serve(host, port, threads=threads, secret=secret,
                     cache_dir=None if no_cache else (cache_dir or default_cache_dir()), timeout=timeout,
-                    max_memory=None if max_memory is None else max_memory * 1_000_000, announce=announce))
+                    max_memory=None if max_memory is None else max_memory * 1_000_000, setup_timeout=setup_timeout,
+                    announce=announce))

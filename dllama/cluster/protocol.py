@@ -14,6 +14,7 @@
     END {}                           ->    (session over; the worker waits for the next root)
 
 Any message may be answered by FAILED {error}; the session then ends on both sides.
+Each message's fields, types and ranges are its schema in messages.py, which both sides use.
 """
 
 from __future__ import annotations

@@ -21,12 +21,13 @@ from tqdm import tqdm
 from ..engine import PREFILL_CHUNK, Engine
 from ..errors import DllamaError, NetworkError, PeerClosed
 from ..gguf_model import GGUFModel
-from ..model import ShardModel, ShardWeights, shard_tensors
+from ..model import ShardModel, ShardWeights, kv_cache_bytes, shard_tensors
 from ..net import connect
 from ..net.frames import pack_msg
 from ..plan import Plan
 from ..sampling import LogitSummary, SamplingParams
-from ..sync import init_process_group
+from ..sync import algo_name, init_process_group
+from . import messages as M
 from . import protocol as P
 from .node import NodeStep, check_sync, measure_speed, mem_available, projection_of
 from .slices import make_entry, tensor_bytes
@@ -166,7 +167,7 @@ class ClusterEngine(Engine):
             self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync_name,
                                                   secret=self.secret, timeout=self.timeout, spin=self.spin)
             for w in self.workers:
-                _kind, w.ready = await self._expect(w, P.READY)
+                w.ready = M.to_wire(await self._expect(w, P.READY, M.Ready))
         self.step = NodeStep(model, self.group, self.sync_dtype)
 
     async def _connect(self, w: WorkerInfo, measure: bool) -> None:
@@ -175,9 +176,9 @@ class ClusterEngine(Engine):
             w.conn = await connect(w.host, w.port, role="control", secret=self.secret, peer_rank=w.rank,
                                    timeout=self.timeout, heartbeat=self.timeout / 4, session=self.session,
                                    connect_timeout=min(self.timeout, 10.0), max_frame=P.MAX_SETUP)
-            await w.conn.send_msg(P.PROBE, {"measure": measure})
+            await w.conn.send_msg(P.PROBE, M.to_wire(M.Probe(measure)))
             try:
-                _kind, probed = await self._expect(w, P.PROBED, timeout=max(self.timeout, 60.0))
+                probed = await self._expect(w, P.PROBED, M.Probed, timeout=max(self.timeout, 60.0))
             except DllamaError as e:
                 await w.conn.close()
                 # still finishing a failed session: it answers "busy" (or hangs up) for a moment
@@ -185,7 +186,7 @@ class ClusterEngine(Engine):
                     await asyncio.sleep(BUSY_RETRY_S)
                     continue
                 raise
-            w.gmacs, w.mem_available = probed.get("gmacs"), probed.get("mem_available")
+            w.gmacs, w.mem_available = probed.gmacs, probed.mem_available
             return
 
     def _node_weights(self, measured: bool) -> list[float]:
@@ -205,21 +206,21 @@ class ClusterEngine(Engine):
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
         for (name, available), shard in zip(nodes, self.plan.shards):
             weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync_mode))
-            kv_cache = 2 * self.config.n_layers * shard.n_kv_heads * self.config.head_dim * self.ctx_size * 2
+            kv_cache = kv_cache_bytes(self.config, shard.n_kv_heads, self.ctx_size)
             if available is not None and weights + kv_cache > available:
                 raise DllamaError(f"model too big for the plan: {name} needs {(weights + kv_cache) / 1e6:.0f} MB "
                                   f"for its slice and KV cache but has {available / 1e6:.0f} MB available "
                                   "(add workers, shift --weights, or lower --ctx-size)")
 
     async def _send_setup(self, w: WorkerInfo, shard, manifest, bar) -> None:
-        setup = {"session": self.session, "rank": w.rank, "world": self.n_nodes,
-                 "addrs": [None] + [list(x.address) for x in self.workers], "algo": self.sync_name,
-                 "sync_dtype": self.sync_dtype, "sync_mode": self.sync_mode, "config": self.config.to_dict(),
-                 "shards": [s.to_dict() for s in self.plan.shards],
-                 "ctx_size": self.ctx_size, "spin": self.spin, "manifest": [e.to_dict() for e, _ in manifest]}
-        await w.conn.send_msg(P.SETUP, setup)
-        _kind, need = await self._expect(w, P.NEED)
-        wanted = set(need.get("names", []))
+        setup = M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,
+                        addrs=[None] + [x.address for x in self.workers], algo=algo_name(self.sync_name),
+                        sync_dtype=self.sync_dtype, sync_mode=self.sync_mode, config=M.WireConfig.of(self.config),
+                        shards=[M.WireShard.of(s) for s in self.plan.shards], ctx_size=self.ctx_size,
+                        manifest=[e for e, _ in manifest], spin=self.spin)
+        await w.conn.send_msg(P.SETUP, M.to_wire(setup))
+        need = await self._expect(w, P.NEED, M.Need)
+        wanted = set(need.names)
         for entry, tensor in manifest:
             if entry.name not in wanted:
                 bar.update(entry.nbytes)
@@ -228,13 +229,18 @@ class ClusterEngine(Engine):
             for start, stop in P.chunks(entry.nbytes):
                 await w.conn.send_array(raw[start:stop], kind=P.TENSOR)
                 bar.update(stop - start)
-        await self._expect(w, P.LOADED, timeout=max(self.timeout, 120.0))
+        await self._expect(w, P.LOADED, M.Loaded, timeout=max(self.timeout, 120.0))
 
-    async def _expect(self, w: WorkerInfo, kind, timeout: float | None = None):
-        got, msg = await w.conn.recv_msg((kind, P.FAILED), timeout=timeout or self.timeout)
+    async def _expect(self, w: WorkerInfo, kind, schema, timeout: float | None = None):
+        """The worker's next message, of `kind` (checked against `schema`); FAILED raises its error."""
+        got, body = await w.conn.recv_msg((kind, P.FAILED), timeout=timeout or self.timeout)
         if got == P.FAILED.name:
-            raise DllamaError(f"{w.name}: {msg.get('error', 'failed')}")
-        return got, msg
+            failed = M.decode(P.FAILED, M.Failed, body)
+            raise DllamaError(f"{w.name}: {failed.error}")
+        try:
+            return M.decode(kind, schema, body)
+        except M.InvalidMessage as e:
+            raise DllamaError(f"{w.name}: {e}") from None
 
     async def _teardown(self, reason: str | None = None) -> None:
         """End the session on every worker (they go back to waiting for a root). With a reason
@@ -315,17 +321,18 @@ class ClusterEngine(Engine):
         sync0 = self.group.stats if self.group is not None else None
         x = self.embedding.row_values(np.asarray(tokens))
         logits = "none" if not want_logits else ("all" if targets is not None else "last")
-        packed = pack_msg({"start": start, "n": len(tokens), "logits": logits, "params": params.to_dict(),
-                           "recent": list(recent), "targets": targets})
+        packed = pack_msg(M.to_wire(M.Forward(start=start, n=len(tokens), logits=logits,
+                                              params=M.WireSampling.of(params), recent=list(recent),
+                                              targets=targets)))
         for w in self.workers:
             w.conn.write_frame(P.FORWARD, packed)
             w.conn.write_frame(P.ACTIVATIONS, x)
         own = await self.step.run(x, start, logits, params, list(recent), targets)
-        replies = await asyncio.gather(*(self._expect(w, P.RESULT) for w in self.workers))
+        replies = await asyncio.gather(*(self._expect(w, P.RESULT, M.Result) for w in self.workers))
         per_worker = []
-        for w, (_kind, reply) in zip(self.workers, replies):
-            w.last_stats = reply.get("stats")
-            per_worker.append([LogitSummary.from_wire(s) for s in reply["summaries"]])
+        for w, reply in zip(self.workers, replies):
+            w.last_stats = M.to_wire(reply.stats)
+            per_worker.append([LogitSummary.from_wire(s) for s in reply.summaries])
         elapsed = time.perf_counter() - t0
         if sync0 is not None:
             sync1 = self.group.stats

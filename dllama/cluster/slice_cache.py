@@ -5,6 +5,9 @@ Content-addressed: a slice is stored under its sha256, so the key covers the mod
 the slice at once, and identical slices are shared. Files are memory-mapped when used, so the
 page cache holds them, not the worker's heap. Writes go through a temporary file and a rename,
 so a crash never leaves a partial slice under a valid name.
+
+The digests come from the root, that is from the network: the cache only ever touches regular
+files named `<64 lowercase hex>.bin` directly inside its folder, whatever a manifest says.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .slices import TensorEntry, checksum
+from .slices import DIGEST, TensorEntry, checksum
 
 
 def default_cache_dir() -> Path:
@@ -23,18 +26,25 @@ def default_cache_dir() -> Path:
 
 class SliceCache:
     def __init__(self, directory: str | os.PathLike | None):
-        self.dir = Path(directory) if directory else None
+        self.dir = Path(directory).resolve() if directory else None
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, entry: TensorEntry) -> Path:
-        return self.dir / f"{entry.sha256}.bin"
+    def _path(self, entry: TensorEntry) -> Path | None:
+        """Where entry's slice lives, or None if the cache is off or the digest is not one (it
+        is then no name of ours: nothing is read, written or removed for it)."""
+        if self.dir is None or not isinstance(entry.sha256, str) or not DIGEST.fullmatch(entry.sha256):
+            return None
+        path = self.dir / f"{entry.sha256}.bin"
+        return path if path.parent == self.dir else None
+
+    def _own_file(self, path: Path | None) -> bool:
+        """A regular file of ours: not a symlink (its target may be anyone's), inside the folder."""
+        return path is not None and not path.is_symlink() and path.is_file()
 
     def has(self, entry: TensorEntry) -> bool:
-        if self.dir is None:
-            return False
         p = self._path(entry)
-        return p.exists() and p.stat().st_size == entry.nbytes
+        return self._own_file(p) and p.stat().st_size == entry.nbytes
 
     def load(self, entry: TensorEntry) -> np.ndarray:
         if entry.nbytes == 0:
@@ -49,16 +59,20 @@ class SliceCache:
         if checksum(raw) == entry.sha256:
             return raw
         del raw
-        self._path(entry).unlink(missing_ok=True)
+        path = self._path(entry)
+        if self._own_file(path):
+            path.unlink(missing_ok=True)
         return None
 
     def store(self, entry: TensorEntry, raw: np.ndarray) -> None:
-        if self.dir is None or self.has(entry):
+        path = self._path(entry)
+        if path is None or self.has(entry):
             return
-        tmp = self._path(entry).with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:  # x: never write through a file or link someone left there
                 f.write(memoryview(raw))
-            os.replace(tmp, self._path(entry))
+            os.replace(tmp, path)
         except OSError:
-            tmp.unlink(missing_ok=True)  # a full disk only costs the cache, never the session
+            if self._own_file(tmp):
+                tmp.unlink(missing_ok=True)  # a full disk only costs the cache, never the session

@@ -7,6 +7,7 @@ session and waits for the next root.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -14,36 +15,42 @@ import time
 import numpy as np
 
 from .. import __version__
-from ..config import ModelConfig
-from ..errors import DllamaError, NetworkError
+from ..errors import DllamaError, NetworkError, PeerTimeout
 from ..model import ShardModel, ShardWeights
 from ..net import ConnectionInbox, Listener
-from ..plan import Shard
-from ..sampling import SamplingParams
 from ..sync import init_process_group
+from . import messages as M
 from . import protocol as P
 from .node import NodeStep, measure_speed, mem_available, projection_of, rss_mb
 from .slice_cache import SliceCache
-from .slices import TensorEntry, checksum, from_bytes
+from .slices import checksum, from_bytes
 
 log = logging.getLogger("dllama.worker")
 
-SETUP_TIMEOUT = 120.0  # a root that connected but says nothing
+SETUP_TIMEOUT = 10.0  # default --setup-timeout: a root that connected must say PROBE or SETUP this soon
+PLAN_TIMEOUT = 120.0  # after its PROBE, a root plans and checksums every slice before it sends SETUP
+GO_TIMEOUT = 120.0  # after LOADED, the root waits until every other worker has its slices too
+MEMORY_MARGIN = 256 << 20  # what the interpreter, the kernels and a step's activations need besides
+BUSY_LOG_EVERY = 10.0  # seconds between two log lines about roots refused while busy
+COLLECT_AFTER = 16 << 20  # a session that held this many bytes is garbage-collected at its end
 
 
 class Worker:
     def __init__(self, *, threads: int | None = None, secret: str | None = None, cache_dir=None,
-                 timeout: float = 30.0, max_memory: int | None = None):
+                 timeout: float = 30.0, max_memory: int | None = None, setup_timeout: float = SETUP_TIMEOUT):
         self.threads = threads
         self.max_memory = max_memory  # bytes this worker may use for a slice and its KV cache
         self.secret = secret
         self.cache = SliceCache(cache_dir)
         self.timeout = timeout
+        self.setup_timeout = setup_timeout
         self.inbox = ConnectionInbox()
         self.listener = Listener(self._on_connection, secret=secret, timeout=timeout, heartbeat=timeout / 4)
         self.busy = False
         self.session_id: str | None = None  # the session being served: its peers may connect
         self.sessions_served = 0
+        self._busy_logged_at = -BUSY_LOG_EVERY
+        self._busy_unlogged = 0  # refusals since the last line about them
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         await self.listener.start(host, port)
@@ -51,6 +58,14 @@ class Worker:
 
     async def close(self) -> None:
         await self.listener.close()
+
+    def memory_budget(self) -> int | None:
+        """Bytes a session may declare (slices + KV cache): --max-memory, else what the kernel says
+        is available less a margin; None where unknown."""
+        if self.max_memory is not None:
+            return self.max_memory
+        available = mem_available()
+        return None if available is None else max(available - MEMORY_MARGIN, 0)
 
     async def _on_connection(self, conn, hello) -> None:
         if hello.role == "peer":
@@ -62,40 +77,55 @@ class Worker:
             self.inbox.put(conn, hello)
             return
         if self.busy:
-            log.warning("refused root %s: busy with another root", conn.peer)
-            await conn.send_msg(P.FAILED, {"error": "this worker is busy with another root"})
-            try:  # let the root read why before the connection goes
-                await conn.recv_msg(P.END, timeout=1.0)
-            except NetworkError:
-                pass
-            await conn.close()
+            await self._refuse_busy(conn)
             return
         self.busy = True
-        session = None
+        session = _Session(self, conn)
         try:
-            session = _Session(self, conn)
             await session.run()
-        except NetworkError as e:
-            log.warning("session with root %s ended: %s", conn.peer, e)
         except Exception as e:  # the root hears why; the daemon lives on for the next root
-            if isinstance(e, DllamaError):
+            if isinstance(e, NetworkError):
+                log.warning("session with root %s ended: %s", conn.peer, e)
+                why = str(e)
+            elif isinstance(e, DllamaError):  # an invalid message, a slice too big: one line
                 log.warning("session with root %s failed: %s", conn.peer, e)
-            else:
+                why = str(e)
+            else:  # a bug of ours: its traceback
                 log.exception("session with root %s failed", conn.peer)
+                why = f"internal error: {type(e).__name__}: {e}"
             if not conn.closed:
                 try:
-                    await conn.send_msg(P.FAILED, {"error": str(e) if isinstance(e, DllamaError)
-                                                   else f"internal error: {type(e).__name__}: {e}"})
+                    await conn.send_msg(P.FAILED, M.to_wire(M.Failed(why)))
                 except NetworkError:
                     pass
         finally:
-            if session is not None:
-                await session.close()
+            held = session.held_bytes
+            await session.close()
             if not conn.closed:
                 await conn.close()
+            if held >= COLLECT_AFTER:
+                # A failure's traceback holds the frames that held the buffers, and the connection
+                # that holds the failure holds the traceback: a cycle, which only a collection
+                # frees, once this handler (which holds the connection) has returned.
+                asyncio.get_running_loop().call_soon(gc.collect)
             self.busy = False
             self.sessions_served += 1
             log.info("ready for the next root")
+
+    async def _refuse_busy(self, conn) -> None:
+        now = time.monotonic()
+        if now - self._busy_logged_at >= BUSY_LOG_EVERY:  # a retrying root would fill the log
+            more = f" (and {self._busy_unlogged} more since the last such line)" if self._busy_unlogged else ""
+            log.warning("refused root %s: busy with another root%s", conn.peer, more)
+            self._busy_logged_at, self._busy_unlogged = now, 0
+        else:
+            self._busy_unlogged += 1
+        try:
+            await conn.send_msg(P.FAILED, M.to_wire(M.Failed("this worker is busy with another root")))
+            await conn.recv_msg(P.END, timeout=1.0)  # let the root read why before the connection goes
+        except NetworkError:
+            pass
+        await conn.close()
 
 
 class _RootEnded(Exception):
@@ -108,6 +138,7 @@ class _Session:
         self.conn = conn
         self.group = None
         self.session_id = ""
+        self.held_bytes = 0  # what the admitted SETUP declared
 
     async def close(self) -> None:
         self.worker.session_id = None
@@ -116,12 +147,17 @@ class _Session:
             self.group = None
         self.worker.inbox.discard(self.session_id)
 
-    async def _recv(self, kinds, timeout):
-        """The next message of one of `kinds`; END from the root (at any point) ends the session."""
-        kind, msg = await self.conn.recv_msg(tuple(kinds) + (P.END,), timeout=timeout)
+    async def _recv(self, kinds, timeout, what: str):
+        """The next message of one of `kinds`; END from the root (at any point) ends the session.
+        The timeout is a deadline: heartbeats do not extend it."""
+        try:
+            kind, body = await self.conn.recv_msg(tuple(kinds) + (P.END,), timeout=timeout)
+        except PeerTimeout:
+            raise PeerTimeout(f"sent no {what} within {timeout:.3g} s", self.conn.peer) from None
         if kind == P.END.name:
+            M.decode(P.END, M.End, body)
             raise _RootEnded()
-        return kind, msg
+        return kind, body
 
     async def run(self) -> None:
         try:
@@ -132,47 +168,48 @@ class _Session:
     async def _run(self) -> None:
         conn = self.conn
         log.info("root %s connected", conn.peer)
-        kind, msg = await self._recv((P.PROBE, P.SETUP), SETUP_TIMEOUT)
+        kind, body = await self._recv((P.PROBE, P.SETUP), self.worker.setup_timeout, "PROBE or SETUP")
         if kind == P.PROBE.name:
-            speed = measure_speed() if msg.get("measure") else None
-            available = [m for m in (mem_available(), self.worker.max_memory) if m is not None]
-            await conn.send_msg(P.PROBED, {"gmacs": speed, "mem_available": min(available) if available else None,
-                                           "threads": self.worker.threads, "version": __version__})
-            kind, msg = await self._recv((P.SETUP,), SETUP_TIMEOUT)
+            probe = M.decode(P.PROBE, M.Probe, body)
+            await conn.send_msg(P.PROBED, M.to_wire(M.Probed(
+                gmacs=measure_speed() if probe.measure else None, mem_available=self.worker.memory_budget(),
+                threads=self.worker.threads, version=__version__)))
+            kind, body = await self._recv((P.SETUP,), PLAN_TIMEOUT, "SETUP")
+        setup = M.decode(P.SETUP, M.Setup, body)
         t0 = time.perf_counter()
-        step, cached = await self._load(msg)
-        await conn.send_msg(P.LOADED, {"cached": cached})
-        await self._recv((P.GO,), SETUP_TIMEOUT)
-        addrs = [None if a is None else tuple(a) for a in msg["addrs"]]
+        step, cached = await self._load(setup)
+        await conn.send_msg(P.LOADED, M.to_wire(M.Loaded(cached)))
+        _kind, body = await self._recv((P.GO,), GO_TIMEOUT, "GO")
+        M.decode(P.GO, M.Go, body)
         self.group = await init_process_group(
-            msg["rank"], msg["world"], addrs, session=self.session_id, algo=msg["algo"],
-            secret=self.worker.secret, timeout=self.worker.timeout, incoming=self.worker.inbox,
-            spin=msg.get("spin"))
+            setup.rank, setup.world, setup.addrs, session=self.session_id, algo=setup.algo,
+            secret=self.worker.secret, timeout=self.worker.timeout, incoming=self.worker.inbox, spin=setup.spin)
         step.group = self.group
-        await conn.send_msg(P.READY, {"rss_mb": rss_mb(), "load_s": time.perf_counter() - t0, "cached": cached})
-        log.info("session %s: rank %d of %d, %s sync (%s, %s), ready", self.session_id, msg["rank"], msg["world"],
-                 msg["algo"], msg["sync_mode"], msg["sync_dtype"])
-        await self._serve_steps(step, ModelConfig.from_dict(msg["config"]).dim)
+        await conn.send_msg(P.READY, M.to_wire(M.Ready(rss_mb(), time.perf_counter() - t0, cached)))
+        log.info("session %s: rank %d of %d, %s sync (%s, %s), ready", self.session_id, setup.rank, setup.world,
+                 setup.algo, setup.sync_mode, setup.sync_dtype)
+        await self._serve_steps(step, setup)
 
-    async def _load(self, setup: dict) -> tuple[NodeStep, int]:
+    async def _load(self, setup: M.Setup) -> tuple[NodeStep, int]:
         conn = self.conn
-        self.session_id = self.worker.session_id = str(setup["session"])
-        config = ModelConfig.from_dict(setup["config"])
-        shards = [Shard.from_dict(d) for d in setup["shards"]]
-        shard = shards[int(setup["rank"])]
-        projection = projection_of(setup["sync_mode"], setup["sync_dtype"], shards, config.head_dim)
-        entries = [TensorEntry.from_dict(e) for e in setup["manifest"]]
-        need = sum(e.nbytes for e in entries) + 4 * config.n_layers * shard.n_kv_heads * config.head_dim * int(setup["ctx_size"])
-        if self.worker.max_memory is not None and need > self.worker.max_memory:
-            raise DllamaError(f"the slice needs {need / 1e6:.0f} MB, more than this worker's --max-memory "
-                              f"{self.worker.max_memory / 1e6:.0f} MB")
+        self.session_id = self.worker.session_id = setup.session
+        need, budget = setup.declared_bytes(), self.worker.memory_budget()
+        if budget is not None and need > budget:
+            raise DllamaError(f"the slice and its KV cache need {need / 1e6:.0f} MB, more than the "
+                              f"{budget / 1e6:.0f} MB this worker has available"
+                              + (" (--max-memory)" if self.worker.max_memory is not None else ""))
+        self.held_bytes = need
+        config, shard = setup.config.model_config(), setup.shard
+        projection = projection_of(setup.sync_mode, setup.sync_dtype, [s.shard() for s in setup.shards],
+                                   config.head_dim)
+        vectors = setup.vector_names()
         tensors = {}
-        for e in entries:  # a cached slice is used only if its bytes still match its checksum
+        for e in setup.manifest:  # a cached slice is used only if its bytes still match its checksum
             cached = self.worker.cache.load_verified(e)
             if cached is not None:
-                tensors[e.name] = from_bytes(e, cached)
-        missing = [e for e in entries if e.name not in tensors]
-        await conn.send_msg(P.NEED, {"names": [e.name for e in missing]})
+                tensors[e.name] = from_bytes(e, cached, e.name in vectors)
+        missing = [e for e in setup.manifest if e.name not in tensors]
+        await conn.send_msg(P.NEED, M.to_wire(M.Need([e.name for e in missing])))
         for e in missing:
             raw = np.empty(e.nbytes, np.uint8)
             for start, stop in P.chunks(e.nbytes):
@@ -180,39 +217,41 @@ class _Session:
             if checksum(raw) != e.sha256:
                 raise DllamaError(f"tensor {e.name} arrived corrupted (checksum mismatch)")
             self.worker.cache.store(e, raw)
-            tensors[e.name] = from_bytes(e, raw)
+            tensors[e.name] = from_bytes(e, raw, e.name in vectors)
         weights = ShardWeights.from_tensors(tensors)
-        model = ShardModel(config, shard, weights, int(setup["ctx_size"]), projection)
-        log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(entries),
-                 len(entries) - len(missing), weights.nbytes / 1e6)
-        return NodeStep(model, None, setup["sync_dtype"]), len(entries) - len(missing)
+        model = ShardModel(config, shard, weights, setup.ctx_size, projection)
+        log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(setup.manifest),
+                 len(setup.manifest) - len(missing), weights.nbytes / 1e6)
+        return NodeStep(model, None, setup.sync_dtype), len(setup.manifest) - len(missing)
 
-    async def _serve_steps(self, step: NodeStep, dim: int) -> None:
-        conn = self.conn
+    async def _serve_steps(self, step: NodeStep, setup: M.Setup) -> None:
+        conn, dim = self.conn, setup.config.dim
         while True:
             # no deadline for the next step: a user may think for minutes. The connection's
             # watchdog still fails a root that stops sending anything, heartbeats included.
-            _kind, msg = await self._recv((P.FORWARD,), None)
-            n = int(msg["n"])
-            x = np.empty((n, dim), np.float32)
+            _kind, body = await self._recv((P.FORWARD,), None, "FORWARD")
+            forward = M.decode(P.FORWARD, M.Forward, body).check(setup)
+            x = np.empty((forward.n, dim), np.float32)
             await conn.recv_array(x, kind=P.ACTIVATIONS, timeout=self.worker.timeout)
+            if not np.isfinite(x).all():
+                raise M.InvalidMessage(f"invalid {P.ACTIVATIONS.name}: not every value is finite (NaN or infinity)")
             stats0 = self.group.stats
             t0 = time.perf_counter()
-            params = SamplingParams(**msg["params"])
-            summaries = await step.run(x, int(msg["start"]), msg["logits"], params, msg.get("recent") or [],
-                                       msg.get("targets"))
+            summaries = await step.run(x, forward.start, forward.logits, forward.params.params(), forward.recent,
+                                       forward.targets)
             stats = self.group.stats
-            await conn.send_msg(P.RESULT, {
-                "summaries": [s.to_wire() for s in summaries],
-                "stats": {"step_s": time.perf_counter() - t0, "sync_s": stats.seconds - stats0.seconds,
-                          "sent": stats.bytes_sent - stats0.bytes_sent, "recv": stats.bytes_recv - stats0.bytes_recv,
-                          "rss_mb": rss_mb()}})
+            await conn.send_msg(P.RESULT, M.to_wire(M.Result(
+                [s.to_wire() for s in summaries],
+                M.StepFigures(step_s=time.perf_counter() - t0, sync_s=stats.seconds - stats0.seconds,
+                              sent=stats.bytes_sent - stats0.bytes_sent, recv=stats.bytes_recv - stats0.bytes_recv,
+                              rss_mb=rss_mb()))))
 
 
 async def serve(host: str, port: int, *, threads: int | None, secret: str | None, cache_dir, timeout: float,
-                max_memory: int | None = None, announce=None) -> None:
+                max_memory: int | None = None, setup_timeout: float = SETUP_TIMEOUT, announce=None) -> None:
     """Run a worker until SIGINT/SIGTERM. `announce(host, port)` is called once it listens."""
-    worker = Worker(threads=threads, secret=secret, cache_dir=cache_dir, timeout=timeout, max_memory=max_memory)
+    worker = Worker(threads=threads, secret=secret, cache_dir=cache_dir, timeout=timeout, max_memory=max_memory,
+                    setup_timeout=setup_timeout)
     addr = await worker.start(host, port)
     if announce is not None:
         announce(*addr)

@@ -1,0 +1,352 @@
+"""The root <-> worker control messages as typed schemas: one struct per message kind, built by
+the sender (`to_wire`) and checked by the receiver (`decode`) before any field is used.
+
+A worker may face anyone who can reach its port. Everything it receives after the handshake is
+proven sane here, at the boundary: types, ranges, lengths, and the consistency of the fields with
+each other (heads within the model, slices tiling the plan, every tensor's shape what its shard
+needs, positions within the context, token ids within the vocabulary). The kernels behind it run
+unchecked, for speed. A message that fails is one `InvalidMessage` naming the field; the worker
+sends it back as FAILED and logs one line.
+
+The structs carry exactly the keys the protocol always had (see protocol.py): the wire format is
+plain msgpack maps, decoded with bounded sizes by dllama.net, then checked with msgspec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Annotated, Literal, Optional, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from ..config import ModelConfig
+from ..errors import DllamaError
+from ..model import kv_cache_bytes, shard_tensor_shapes
+from ..plan import Shard
+from ..projection import SYNC_MODES
+from ..quant import QK, QType
+from ..sampling import SamplingParams
+from ..sync import ALGO_NAMES
+from . import protocol as P
+from .slices import TensorEntry
+
+MAX_WORLD = 1024  # nodes in one cluster
+MAX_CTX = 1 << 22  # tokens of context (the memory check bounds it far lower on a real machine)
+
+Positive = Annotated[int, Meta(ge=1)]
+Small = Annotated[int, Meta(ge=1, le=1 << 16)]  # dims, heads, layers
+TokenId = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
+Range = tuple[Annotated[int, Meta(ge=0, le=1 << 31)], Annotated[int, Meta(ge=0, le=1 << 31)]]
+Host = Annotated[str, Meta(min_length=1, max_length=255)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Session = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_.-]+$")]
+
+
+class InvalidMessage(DllamaError):
+    """A control message with a field missing, of the wrong type, out of range or inconsistent."""
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, not {value}")
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+# ------------------------------------------------------------------ root -> worker
+
+
+class Probe(_Message):
+    measure: bool = False  # time a matmul and report GMAC/s (for --weights auto)
+
+
+class WireConfig(_Message):
+    """ModelConfig as it travels: every field of it, checked."""
+
+    arch: Annotated[str, Meta(max_length=64)]
+    dim: Small
+    n_layers: Annotated[int, Meta(ge=1, le=4096)]
+    n_heads: Small
+    n_kv_heads: Small
+    head_dim: Annotated[int, Meta(ge=8, le=4096, multiple_of=8)]  # the attention kernel's 8 lanes
+    ffn_dim: Annotated[int, Meta(ge=QK, le=1 << 20, multiple_of=QK)]  # the plan splits it in quant blocks
+    vocab_size: Annotated[int, Meta(ge=1, le=1 << 24)]
+    context_length: Positive
+    rope_base: Annotated[float, Meta(gt=0)]
+    rope_dims: Annotated[int, Meta(ge=0, le=4096, multiple_of=2)]
+    rope_neox: bool
+    norm_eps: Annotated[float, Meta(gt=0, le=1)]
+    tied_embeddings: bool
+    attn_bias: bool = False  # optional layer parts (architectures.py)
+    attn_out_bias: bool = False
+    qk_norm: bool = False
+    rope_freq_scale: Annotated[float, Meta(gt=0)] = 1.0  # RoPE scaling (config.RopeScaling)
+    rope_ext_factor: float = 0.0
+    rope_corr_lo: float = 0.0
+    rope_corr_hi: float = 0.0
+    rope_mscale: float = 1.0
+    bos_id: Optional[TokenId] = None
+    eos_id: Optional[TokenId] = None
+
+    def __post_init__(self):
+        for name in ("rope_base", "rope_freq_scale", "rope_ext_factor", "rope_corr_lo", "rope_corr_hi", "rope_mscale"):
+            _finite(name, getattr(self, name))
+        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a whole number of n_kv_heads {self.n_kv_heads} groups")
+        if self.rope_dims > self.head_dim:
+            raise ValueError(f"rope_dims {self.rope_dims} exceeds head_dim {self.head_dim}")
+        for name in ("bos_id", "eos_id"):
+            token = getattr(self, name)
+            if token is not None and token >= self.vocab_size:
+                raise ValueError(f"{name} {token} is outside the vocabulary of {self.vocab_size}")
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "WireConfig":
+        return cls(**config.to_dict())
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
+
+
+class WireShard(_Message):
+    """plan.Shard as it travels: [start, stop) ranges."""
+
+    node: Annotated[int, Meta(ge=0, lt=MAX_WORLD)]
+    q_heads: Range
+    kv_heads: Range
+    ffn: Range
+    vocab: Range
+    rows: Range
+
+    def __post_init__(self):
+        for name in ("q_heads", "kv_heads", "ffn", "vocab", "rows"):
+            start, stop = getattr(self, name)
+            if start > stop:
+                raise ValueError(f"{name} [{start}, {stop}) starts after it stops")
+
+    @classmethod
+    def of(cls, shard: Shard) -> "WireShard":
+        return cls(**shard.to_dict())
+
+    def shard(self) -> Shard:
+        return Shard(self.node, self.q_heads, self.kv_heads, self.ffn, self.vocab, self.rows)
+
+
+class Setup(_Message):
+    session: Session
+    rank: Annotated[int, Meta(ge=1, lt=MAX_WORLD)]  # rank 0 is the root
+    world: Annotated[int, Meta(ge=2, le=MAX_WORLD)]
+    addrs: list[Optional[tuple[Host, Port]]]  # where each rank accepts peers (None: it only dials)
+    algo: Literal[ALGO_NAMES]
+    sync_dtype: Literal[tuple(P.CODEC_OF_SYNC_DTYPE)]
+    sync_mode: Literal[SYNC_MODES]
+    config: WireConfig
+    shards: list[WireShard]
+    ctx_size: Annotated[int, Meta(ge=1, le=MAX_CTX)]
+    manifest: list[TensorEntry]
+    spin: Optional[Annotated[float, Meta(ge=0, le=1)]] = None
+
+    def __post_init__(self):
+        if self.rank >= self.world:
+            raise ValueError(f"rank {self.rank} is not below world {self.world}")
+        if len(self.addrs) != self.world:
+            raise ValueError(f"addrs has {len(self.addrs)} entries for world {self.world}")
+        if self.addrs[self.rank] is None:
+            raise ValueError(f"addrs[{self.rank}] is empty: this worker accepts peers, it has an address")
+        if self.sync_mode == "gather" and self.sync_dtype not in ("f32", "q80"):
+            raise ValueError(f"sync_mode gather carries f32 or q80, not {self.sync_dtype}")
+        if len(self.shards) != self.world:
+            raise ValueError(f"shards has {len(self.shards)} entries for world {self.world}")
+        self._check_plan()
+        self._check_manifest()
+
+    def _check_plan(self) -> None:
+        """The shards tile the model in rank order, each KV range is the one its heads read."""
+        cfg = self.config
+        group = cfg.n_heads // cfg.n_kv_heads
+        whole = {"q_heads": cfg.n_heads, "ffn": cfg.ffn_dim, "vocab": cfg.vocab_size, "rows": cfg.dim}
+        for name, total in whole.items():
+            at = 0
+            for i, s in enumerate(self.shards):
+                start, stop = getattr(s, name)
+                if start != at or stop > total:
+                    raise ValueError(f"shards[{i}].{name} [{start}, {stop}) does not continue the plan at {at} "
+                                     f"within {total}")
+                at = stop
+            if at != total:
+                raise ValueError(f"the shards' {name} end at {at}, not at the model's {total}")
+        for i, s in enumerate(self.shards):
+            if s.node != i:
+                raise ValueError(f"shards[{i}].node is {s.node}")
+            q0, q1 = s.q_heads
+            kv = (q0 // group, -(-q1 // group)) if q1 > q0 else (0, 0)
+            if tuple(s.kv_heads) != kv:
+                raise ValueError(f"shards[{i}].kv_heads {list(s.kv_heads)} are not the KV heads {list(kv)} of "
+                                 f"q_heads {list(s.q_heads)} (groups of {group})")
+            if s.ffn[0] % QK or s.ffn[1] % QK:
+                raise ValueError(f"shards[{i}].ffn {list(s.ffn)} is not cut on {QK}-value blocks")
+        if self.shards[self.rank].vocab[0] == self.shards[self.rank].vocab[1]:
+            raise ValueError(f"shards[{self.rank}].vocab is empty: each node scores some of the vocabulary")
+
+    def _check_manifest(self) -> None:
+        """Exactly this rank's tensors, each of the shape its shard needs."""
+        cfg = self.config
+        expected = shard_tensor_shapes(cfg, self.shards[self.rank].shard(), self.sync_mode)
+        seen = set()
+        for i, e in enumerate(self.manifest):
+            if e.name in seen:
+                raise ValueError(f"manifest[{i}]: tensor {e.name} is listed twice")
+            seen.add(e.name)
+            if e.name == "rope_freqs":  # optional: one factor per rotated pair
+                shape = e.cols if cfg.rope_dims // 2 <= e.cols <= cfg.head_dim // 2 else -1
+            else:
+                shape = expected.get(e.name)
+                if shape is None:
+                    raise ValueError(f"manifest[{i}]: unknown tensor {e.name!r}")
+            if isinstance(shape, int):
+                if e.rows != 0 or e.qtype != QType.F32 or e.cols != shape or e.nbytes != e.nbytes_as(vector=True):
+                    raise ValueError(f"manifest[{i}]: tensor {e.name} must be an f32 vector of "
+                                     f"{shape if shape >= 0 else 'rope_dims/2'} values")
+            elif (e.rows, e.cols) != shape or e.nbytes != e.nbytes_as(vector=False):
+                raise ValueError(f"manifest[{i}]: tensor {e.name} is {e.rows}x{e.cols} in {e.nbytes} bytes, its "
+                                 f"shard needs {shape[0]}x{shape[1]}")
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise ValueError(f"manifest lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+
+    def vector_names(self) -> set[str]:
+        """The manifest's vectors (a matrix of no rows also has rows == 0)."""
+        shapes = shard_tensor_shapes(self.config, self.shard, self.sync_mode)
+        return {name for name, shape in shapes.items() if isinstance(shape, int)} | {"rope_freqs"}
+
+    @property
+    def shard(self) -> Shard:
+        return self.shards[self.rank].shard()
+
+    def declared_bytes(self) -> int:
+        """What this worker must hold: its slices and its KV cache."""
+        return (sum(e.nbytes for e in self.manifest)
+                + kv_cache_bytes(self.config, self.shard.n_kv_heads, self.ctx_size))
+
+
+class WireSampling(_Message):
+    """SamplingParams as the nodes use them (the seed stays with the root's sampler)."""
+
+    temperature: Annotated[float, Meta(ge=0)]
+    top_k: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
+    top_p: Annotated[float, Meta(ge=0, le=1)]
+    repeat_penalty: Annotated[float, Meta(gt=0)]
+    repeat_last_n: Annotated[int, Meta(ge=0, le=MAX_CTX)]
+
+    def __post_init__(self):
+        _finite("temperature", self.temperature)
+        _finite("repeat_penalty", self.repeat_penalty)
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "WireSampling":
+        return cls(float(params.temperature), int(params.top_k), float(params.top_p), float(params.repeat_penalty),
+                   int(params.repeat_last_n))
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n)
+
+
+class Forward(_Message):
+    """One step: n tokens at positions start.., their embeddings follow as ACTIVATIONS (n x dim f32)."""
+
+    start: Annotated[int, Meta(ge=0, lt=MAX_CTX)]
+    n: Annotated[int, Meta(ge=1, le=MAX_CTX)]
+    logits: Literal["none", "last", "all"]
+    params: WireSampling
+    recent: Annotated[list[TokenId], Meta(max_length=MAX_CTX)] = []  # for the repetition penalty
+    targets: Optional[Annotated[list[TokenId], Meta(max_length=MAX_CTX)]] = None  # perplexity: next tokens
+
+    def check(self, setup: Setup) -> "Forward":
+        """The checks that need the session: the context, the vocabulary, the frame limit."""
+        cfg = setup.config
+        if self.start + self.n > setup.ctx_size:
+            raise InvalidMessage(f"invalid {P.FORWARD.name}: positions {self.start}..{self.start + self.n - 1} "
+                                 f"are outside the context of {setup.ctx_size}")
+        if self.n * cfg.dim * 4 > P.ACTIVATIONS.max_len:
+            raise InvalidMessage(f"invalid {P.FORWARD.name}: n {self.n} tokens of dim {cfg.dim} exceed an "
+                                 f"{P.ACTIVATIONS.name} frame")
+        for name, ids in (("recent", self.recent), ("targets", self.targets or ())):
+            if ids and max(ids) >= cfg.vocab_size:
+                raise InvalidMessage(f"invalid {P.FORWARD.name}: {name} holds token id {max(ids)}, outside the "
+                                     f"vocabulary of {cfg.vocab_size}")
+        if self.targets is not None and (self.logits != "all" or len(self.targets) != self.n):
+            raise InvalidMessage(f"invalid {P.FORWARD.name}: targets must come with logits 'all', one per token "
+                                 f"(got {len(self.targets)} for n {self.n}, logits {self.logits!r})")
+        return self
+
+
+class Go(_Message):
+    """All workers are loaded: join the sync group."""
+
+
+class End(_Message):
+    """The session is over."""
+
+
+# ------------------------------------------------------------------ worker -> root
+
+
+class Probed(_Message):
+    gmacs: Optional[float]
+    mem_available: Optional[int]  # bytes this worker admits for a slice and its KV cache
+    threads: Optional[int]
+    version: str
+
+
+class Need(_Message):
+    names: list[str]  # the tensors its slice cache lacks, in manifest order
+
+
+class Loaded(_Message):
+    cached: int
+
+
+class Ready(_Message):
+    rss_mb: float
+    load_s: float
+    cached: int
+
+
+class StepFigures(_Message):
+    step_s: float
+    sync_s: float
+    sent: int
+    recv: int
+    rss_mb: float
+
+
+class Result(_Message):
+    summaries: list[dict]  # LogitSummary.to_wire()
+    stats: StepFigures
+
+
+class Failed(_Message):
+    error: str
+
+
+# ------------------------------------------------------------------ encoding and decoding
+
+M = TypeVar("M", bound=_Message)
+
+
+def to_wire(message: _Message) -> dict:
+    """The msgpack-ready map of a message (bytes stay bytes: msgpack carries them as they are)."""
+    return msgspec.to_builtins(message, builtin_types=(bytes,))
+
+
+def decode(kind, schema: type[M], body: dict) -> M:
+    """body (a decoded msgpack map of frame kind `kind`) checked against its schema."""
+    try:
+        return msgspec.convert(body, schema)
+    except msgspec.ValidationError as e:
+        raise InvalidMessage(f"invalid {kind.name}: {e}") from None
