@@ -36,7 +36,7 @@ reference-avx2: install
 
 # Debian's chromium for the chat page's browser test (tests/test_chat_page.py, which Playwright drives);
 # where it cannot be installed (not root, no apt-get) the script says why and the test skips.
-browser:
+browser: aarch64  # after it: two apt-get runs at once could fail on the package lists' lock
 	sh tests/browser/install_chromium.sh
 
 # two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles

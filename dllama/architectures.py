@@ -8,11 +8,13 @@ naming it, rather than ignored (an unused bias or an ignored RoPE scaling gives 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from .config import RopeScaling
 from .errors import ModelError
+from .gguf_file import ArrayInfo
 
 
 _DENSE_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
@@ -67,10 +69,12 @@ def architecture_of(metadata_get, path: str) -> Architecture:
 def check_metadata(arch: Architecture, metadata: dict, metadata_get, head_dim: int, path: str) -> None:
     """Refuse a math-relevant key this engine does not implement, or a value it does not."""
     prefix = arch.name + "."
-    for key in metadata:
+    for key, value in metadata.items():
         if key.startswith(prefix) and key[len(prefix):] not in _KNOWN_KEYS:
             raise ModelError(f"{path}: metadata {key} is not implemented by this engine (it may change "
                              f"the model's output); refusing to run it rather than ignoring it")
+        if key.startswith(prefix) and isinstance(value, ArrayInfo):  # e.g. a head count per layer
+            raise ModelError(f"{path}: metadata {key} is an array (a value per layer); that is not implemented")
 
     def get(suffix, default=None):
         return metadata_get(prefix + suffix, default)
@@ -91,6 +95,10 @@ def check_metadata(arch: Architecture, metadata: dict, metadata_get, head_dim: i
     scaling = get("rope.scaling.type", "linear")
     if scaling not in ("none", "linear", "yarn"):
         refuse("rope.scaling.type", scaling, "this RoPE scaling is not implemented (none, linear and yarn are)")
+    for key in ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor"):
+        value = get(key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            refuse(key, value, "must be a finite number >= 0")
 
 
 def rope_scaling(arch: Architecture, metadata_get, n_dims: int, base: float, context_length: int) -> RopeScaling:
@@ -99,8 +107,9 @@ def rope_scaling(arch: Architecture, metadata_get, n_dims: int, base: float, con
         return metadata_get(f"{arch.name}.{suffix}", default)
 
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)) or 0.0)
+    original_context = int(get("rope.scaling.original_context_length", 0) or 0)  # 0: llama.cpp takes the trained one
     return RopeScaling.from_gguf(get("rope.scaling.type", "linear"), factor, float(get("rope.scaling.attn_factor", 1.0)),
-                                 n_dims, base, int(get("rope.scaling.original_context_length", context_length)))
+                                 n_dims, base, original_context if original_context > 0 else context_length)
 
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
@@ -112,7 +121,7 @@ def check_tensors(arch: Architecture, names, n_layers: int, path: str) -> None:
     allowed = set(arch.global_tensors) | set(arch.optional_global_tensors)
     for name in sorted(names):
         m = _LAYER_TENSOR.fullmatch(name)
-        known = (name in allowed if m is None else int(m.group(1)) < n_layers
+        known = (name in allowed if m is None else m.group(1) == str(int(m.group(1))) and int(m.group(1)) < n_layers
                  and (m.group(2) in arch.layer_tensors or m.group(2) in arch.optional_layer_tensors))
         if not known:
             raise ModelError(f"{path}: tensor {name} is not used by the {arch.name} architecture as implemented "

@@ -89,7 +89,28 @@ class GGUFModel:
                          rope_freq_scale=scaling.freq_scale, rope_ext_factor=scaling.ext_factor,
                          rope_corr_lo=scaling.corr_dims[0], rope_corr_hi=scaling.corr_dims[1],
                          rope_mscale=scaling.mscale)
+        self._check_shapes(config)
         return config
+
+    def _check_shapes(self, config: ModelConfig) -> None:
+        """Every tensor has the shape the config implies (llama.cpp refuses any other; the kernels
+        would read past a short one)."""
+        from .model import shard_tensor_shapes  # model.py builds on this module
+        from .plan import Plan
+
+        expected = {f"{name}.weight" if not name.endswith(".bias") else name: shape
+                    for name, shape in shard_tensor_shapes(config, Plan.single(config).shards[0]).items()}
+        expected["token_embd.weight"] = (config.vocab_size, config.dim)
+        if config.tied_embeddings:
+            del expected["output.weight"]
+        if self.has("rope_freqs.weight"):
+            expected["rope_freqs.weight"] = config.rope_dims // 2
+        for name, shape in expected.items():
+            dims = tuple(self.file.tensors[name].shape)
+            want = (shape,) if isinstance(shape, int) else (shape[1], shape[0])  # GGUF lists the inner dim first
+            if dims != want:
+                raise ModelError(f"{self.path}: tensor {name} has shape {list(dims)[::-1]}, the model's metadata "
+                                 f"gives {list(want)[::-1]}")
 
     # ------------------------------------------------------------------ tensors
 

@@ -35,6 +35,8 @@ SYNTHETIC_SPECS = {
                   rope_base=1e6, tied_embeddings=True, attn_bias=True, seed=12),  # Qwen2.5-0.5B
     "qwen3": dict(arch="qwen3", dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
                   qtype="Q8_0", rope_base=1e6, tied_embeddings=True, qk_norm=True, seed=13),  # Qwen3-0.6B
+    "qwen3-tiny": dict(arch="qwen3", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
+                       qtype="Q8_0", qk_norm=True, seed=14),
     # the big shapes, 2 layers: dim 2048, 32 heads / 8 KV heads, FFN 8192, Q4_0, untied LM head
     "big": dict(dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=8192, qtype="Q4_0", tied_embeddings=False,
                 seed=8),

@@ -95,6 +95,7 @@ UNIMPLEMENTED_KEYS = [
     ("attention.layer_norm_epsilon", 1e-5), ("attention.scale", 0.125), ("expert_count", 8),
     ("expert_used_count", 2), ("rope.scaling.type", "longrope"), ("rope.scaling.yarn_log_multiplier", 0.1),
     ("rope.dimension_count", 16), ("attention.value_length", 64), ("embedding_scale", 12.0),
+    ("rope.scaling.factor", -2.0),
 ]
 
 

@@ -389,3 +389,30 @@ def test_synthetic_big_model_config(synthetic_model):
     assert cfg.vocab_size == 49152
     out = model.matrix("output.weight")
     assert (out.qtype, out.rows, out.cols) == (QType.Q4_0, 49152, 2048)
+
+
+@pytest.mark.parametrize("name, shape", [("blk.0.attn_norm.weight", (32,)), ("blk.0.attn_k.weight", (64, 64)),
+                                         ("token_embd.weight", (31, 64))])
+def test_a_tensor_of_the_wrong_shape_is_refused(tmp_path, name, shape):
+    """The kernels do not check bounds: a short norm would be read past its end."""
+    path = tmp_path / "m.gguf"
+    _close(_writer(path), _tiny_tensors(replace={name: (np.zeros(shape, np.float32), None)}))
+    with pytest.raises(ModelError, match=f"tensor {re.escape(name)} has shape"):
+        GGUFModel(path)
+
+
+def test_a_layer_number_written_otherwise_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    _close(_writer(path), _tiny_tensors([("blk.00.attn_norm.weight", (64,))]))
+    with pytest.raises(ModelError, match="blk.00.attn_norm.weight is not used"):
+        GGUFModel(path)
+
+
+def test_a_per_layer_array_is_refused(tmp_path):
+    """llama.cpp reads some counts per layer from an array; taking the default instead would be wrong."""
+    path = tmp_path / "m.gguf"
+    w = _writer(path, head_count_kv=None)
+    w.add_array("llama.attention.head_count_kv", [2])
+    _close(w, _tiny_tensors())
+    with pytest.raises(ModelError, match="llama.attention.head_count_kv is an array"):
+        GGUFModel(path)

@@ -238,9 +238,11 @@ async def test_split_default_model_three_nodes(gguf_model, tokenizer):
     assert figures["top1"] >= 0.9 and figures["kl"] <= 0.02, figures
 
 
-@pytest.mark.parametrize("qtype,weights,q8", [("Q4_0", [1] * 10, False), ("Q4_0", [3, 1, 2], True),
-                                              ("Q4_1", [1, 1, 1], True), ("F16", [2, 1], True)],
-                         ids=["10-nodes-some-headless", "3-1-2-q8", "q4_1-q8", "f16-q8-falls-back"])
+@pytest.mark.parametrize("qtype,weights,q8", [("Q4_0", [1] * 10, False), ("Q4_0", [1] * 10, True), ("Q4_0", [3, 1, 2], True),
+                                              ("Q4_1", [1, 1, 1], True), ("F16", [2, 1], True),
+                                              ("llama-bias", [1] * 6, True), ("qwen3-tiny", [1] * 6, False)],
+                         ids=["10-nodes-some-headless", "10-nodes-some-headless-q8", "3-1-2-q8", "q4_1-q8", "f16-q8-falls-back",
+                              "biases-some-headless", "qk-norm-some-headless"])
 async def test_gather_mode_computes_the_whole_model_bit_for_bit(synthetic_model, qtype, weights, q8):
     """Wo and W2 split by rows: every output value is one node's whole dot product, so N nodes
     give exactly the 1-node logits, for prefill and decode, with nodes that hold no head (10

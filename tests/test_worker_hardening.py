@@ -435,3 +435,19 @@ def test_a_worker_on_the_network_needs_a_secret(host):
             _out, err = proc.communicate(timeout=10)
         assert line.startswith(f"listening on {host}:"), (line, err)
         assert ("without a secret (--insecure)" in err) == bool(extra), err
+
+
+def test_whatever_a_user_may_ask_for_the_root_sends_a_valid_step():
+    """A huge top_k (the API takes any) or a step of the most tokens the engine sends must pass
+    the worker's schema: a root must never end its workers' sessions with its own message."""
+    from dllama.cluster import messages as M
+    from dllama.cluster import protocol as P
+    from dllama.engine import PREFILL_CHUNK
+    from dllama.sampling import SamplingParams
+
+    step = M.Forward(start=0, n=PREFILL_CHUNK, logits="last",
+                     params=M.WireSampling.of(SamplingParams(temperature=0.7, top_k=3_000_000_000)))
+    assert M.decode(P.FORWARD, M.Forward, M.to_wire(step)).params.top_k == 256
+    too_long = M.to_wire(M.Forward(start=0, n=PREFILL_CHUNK + 1, logits="last", params=step.params))
+    with pytest.raises(M.InvalidMessage, match=r"\$.n"):
+        M.decode(P.FORWARD, M.Forward, too_long)

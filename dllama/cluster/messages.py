@@ -27,13 +27,15 @@ from ..model import kv_cache_bytes, shard_tensor_shapes
 from ..plan import Shard
 from ..projection import SYNC_MODES
 from ..quant import QK, QType
-from ..sampling import SamplingParams
+from ..engine import PREFILL_CHUNK
+from ..sampling import MAX_CANDIDATES, SamplingParams
 from ..sync import ALGO_NAMES
 from . import protocol as P
 from .slices import TensorEntry
 
 MAX_WORLD = 1024  # nodes in one cluster
 MAX_CTX = 1 << 22  # tokens of context (the memory check bounds it far lower on a real machine)
+MAX_STEP_TOKENS = PREFILL_CHUNK  # tokens of one step: the root never sends more
 
 Positive = Annotated[int, Meta(ge=1)]
 Small = Annotated[int, Meta(ge=1, le=1 << 16)]  # dims, heads, layers
@@ -77,7 +79,7 @@ class WireConfig(_Message):
     vocab_size: Annotated[int, Meta(ge=1, le=1 << 24)]
     context_length: Positive
     rope_base: Annotated[float, Meta(gt=0)]
-    rope_dims: Annotated[int, Meta(ge=0, le=4096, multiple_of=2)]
+    rope_dims: Annotated[int, Meta(ge=2, le=4096, multiple_of=2)]
     rope_neox: bool
     norm_eps: Annotated[float, Meta(gt=0, le=1)]
     tied_embeddings: bool
@@ -248,8 +250,10 @@ class WireSampling(_Message):
 
     @classmethod
     def of(cls, params: SamplingParams) -> "WireSampling":
-        return cls(float(params.temperature), int(params.top_k), float(params.top_p), float(params.repeat_penalty),
-                   int(params.repeat_last_n))
+        # a node keeps at most MAX_CANDIDATES per position whatever top_k says: send what it uses, so
+        # any top_k a user may ask for stays within the schema
+        return cls(float(params.temperature), min(int(params.top_k), MAX_CANDIDATES), float(params.top_p),
+                   float(params.repeat_penalty), int(params.repeat_last_n))
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -260,7 +264,7 @@ class Forward(_Message):
     """One step: n tokens at positions start.., their embeddings follow as ACTIVATIONS (n x dim f32)."""
 
     start: Annotated[int, Meta(ge=0, lt=MAX_CTX)]
-    n: Annotated[int, Meta(ge=1, le=MAX_CTX)]
+    n: Annotated[int, Meta(ge=1, le=MAX_STEP_TOKENS)]  # a step's working set grows with n (attention: n^2)
     logits: Literal["none", "last", "all"]
     params: WireSampling
     recent: Annotated[list[TokenId], Meta(max_length=MAX_CTX)] = []  # for the repetition penalty

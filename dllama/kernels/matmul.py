@@ -61,7 +61,9 @@ class Q8Activations:
     __slots__ = ("q", "d", "ds")
 
     def __init__(self, q, d, ds):
-        self.q, self.d, self.ds = q, d, ds
+        # the kernels step from row to row by the first stride and read each row as contiguous: an
+        # array assembled from others (a Q8 gather with empty parts) can come out column-major
+        self.q, self.d, self.ds = (np.ascontiguousarray(a) for a in (q, d, ds))
 
     @classmethod
     def quantize(cls, x: np.ndarray) -> "Q8Activations":
