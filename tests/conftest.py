@@ -87,3 +87,20 @@ def synthetic_model(tmp_path_factory, model_path):
 
     return get
 
+
+
+_SUITE_REPORT: list[str] = []
+
+
+@pytest.fixture
+def report_in_summary():
+    """report_in_summary(line): a line for the end of the run's summary (the runs inside a test:
+    aarch64 under qemu, the AVX2 build of llama.cpp), so a passing run says what it covered."""
+    return _SUITE_REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SUITE_REPORT:
+        terminalreporter.section("inner runs")
+        for line in _SUITE_REPORT:
+            terminalreporter.write_line(line)

@@ -66,7 +66,7 @@ exec chroot "$R" /bin/sh -c 'cd /src && exec /opt/venv/bin/python -m pytest -p n
 """
 
 
-def test_kernels_on_aarch64_under_qemu():
+def test_kernels_on_aarch64_under_qemu(report_in_summary):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -96,6 +96,7 @@ def test_kernels_on_aarch64_under_qemu():
     summary = next((line.strip("= ") for line in reversed(lines)
                     if re.search(r"\d+ (passed|failed|errors?|skipped)", line)), "(no summary)")
     print(f"\n{check}\naarch64 (qemu, {elapsed:.0f} s): {summary}")
+    report_in_summary(f"aarch64 under qemu ({', '.join(INNER_TESTS)}): {summary}")
     assert proc.returncode == 0, f"inner run exited {proc.returncode}: {summary}\n{tail}"
     assert check and "machine=aarch64" in check and "_X86_AVX2=False" in check, tail
     for name in INNER_TESTS:  # each file was collected and ran (the progress lines name it)

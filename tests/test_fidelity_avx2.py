@@ -33,7 +33,7 @@ BIT_EXACT_TESTS = ["tests/test_fidelity.py::test_teacher_forced_logits_are_bit_i
 
 
 @pytest.mark.slow
-def test_bit_exact_against_an_avx2_build_of_llama_cpp():
+def test_bit_exact_against_an_avx2_build_of_llama_cpp(report_in_summary):
     if bit_exact_expected():
         pytest.skip("the native llama.cpp build takes the AVX2 path: test_fidelity checks bit-exactness itself")
     if not (REFERENCE / ".built").exists():
@@ -48,5 +48,6 @@ def test_bit_exact_against_an_avx2_build_of_llama_cpp():
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     print(f"\nagainst llama.cpp built for AVX2: {summary}")
+    report_in_summary(f"bit-exact tests against llama.cpp built for AVX2: {summary}")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, result.stdout[-4000:]
