@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
-import socket
 from dataclasses import replace
 
 import click
 from click.core import ParameterSource
 
-from .common import cluster_options, fail, info, model_options, open_runtime, run_async, sampling_options
+from .common import cluster_options, fail, info, is_loopback, model_options, open_runtime, run_async, sampling_options
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 
@@ -53,7 +51,7 @@ def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, a
     from ..server.openai_schema import OPENAI_SAMPLING
 
     api_key = api_key or None  # DLLAMA_API_KEY= (empty) means no key
-    if api_key is None and not _is_loopback(host):
+    if api_key is None and not is_loopback(host):
         if not insecure:
             fail(f"--host {host} is not a loopback address and no API key is set: give --api-key KEY "
                  "(or DLLAMA_API_KEY), or --insecure to let anyone who reaches the port use it")
@@ -68,20 +66,6 @@ def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, a
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)
     run_async(_serve(host, port, config, opts))
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether every address `host` stands for is a loopback one (127.0.0.0/8, ::1). An address
-    that cannot be resolved counts as not loopback: the check errs on the safe side."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 async def _serve(host, port, config, opts):
