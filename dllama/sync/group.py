@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import NetworkError, PeerAborted, ProtocolError
+from ..errors import NetworkError, PeerAborted, PeerError, ProtocolError
 from ..net import ConnectionInbox, Listener, PeerRef, connect
 from ..net import frames as F
 from ..net.connection import DEFAULT_MAX_FRAME
@@ -165,7 +165,10 @@ class ProcessGroup:
             coro.close()
             if self._busy:
                 raise RuntimeError("collectives on one process group must not overlap; await each call")
-            raise NetworkError(f"process group unusable after an earlier failure: {self._failed}")
+            failed = self._failed
+            if isinstance(failed, PeerError):  # the same kind of error, naming the same peer, as the failure
+                raise type(failed)(f"process group unusable after an earlier failure: {failed.reason}", failed.peer)
+            raise NetworkError(f"process group unusable after an earlier failure: {failed}")
         self._busy = True
         self._seq += 1
         self._comm.tag = self._seq & 0xFFFFFFFF
