@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType
 from .simd import (dot_f16_f16_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q8_0_q8,
-                   dot_q8_0_q8_wide)
+                   dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
@@ -109,14 +109,15 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
 
 @njit(nogil=True, cache=CACHE)
 def dot_f16(a, a_offset, b, b_offset, n):
-    """sum(a[a_offset:+n] * b[b_offset:+n]) of two flat f16 vectors (uint16 arrays of f16 bits), in the
-    order of llama.cpp's single-token routine ggml_vec_dot_f16 (its decode path), plus a float64
-    tail past the last multiple of 32 as it adds one. The F16 matmul and the attention use it for
-    every token, so a token's result does not depend on how many are computed together."""
+    """sum of the n f16 values at element offsets a_offset of a and b_offset of b (uint16 arrays of
+    f16 bits, addressed from their data pointers), in the order of llama.cpp's single-token routine
+    ggml_vec_dot_f16 (its decode path), plus a float64 tail past the last multiple of 32 as it adds
+    one. The F16 matmul and the attention use it for every token, so a token's result does not
+    depend on how many are computed together."""
     main = n - n % 32
     total = np.float64(dot_f16_f16_vec(a, a_offset, b, b_offset, main))
     for i in range(main, n):
-        total += np.float64(F16_TO_F32[a[a_offset + i]] * F16_TO_F32[b[b_offset + i]])
+        total += np.float64(f16_at(a, a_offset + i) * f16_at(b, b_offset + i))
     return np.float32(total)
 
 
@@ -125,13 +126,9 @@ def _mm_f16(w, x16, out):
     rows, cols = w.shape
     T = x16.shape[0]
     row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
-    main = cols - cols % 32
     for r in prange(rows):
-        for t in range(T):  # as dot_f16 (whose tail indexing wants flat arrays)
-            total = np.float64(dot_f16_f16_vec(w, r * row_stride, x16, t * cols, main))
-            for c in range(main, cols):
-                total += np.float64(F16_TO_F32[w[r, c]] * F16_TO_F32[x16[t, c]])
-            out[t, r] = np.float32(total)
+        for t in range(T):
+            out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE, fastmath=True)

@@ -56,17 +56,18 @@ def _rope_angles(pos, n_dims, base, freq_factors, freq_scale, ext_factor, corr_l
     cos = np.empty((pos.shape[0], half), np.float32)
     sin = np.empty((pos.shape[0], half), np.float32)
     one = np.float32(1.0)
+    m = mscale  # YaRN also grows the magnitude, by the same factor for every angle
+    if ext_factor != 0:
+        m = mscale * fma(np.float32(0.1), np.float32(np.log(one / freq_scale)), one)
     for t in range(pos.shape[0]):
         theta = np.float32(pos[t])
         for i in range(half):
             extrap = theta / freq_factors[i]
             angle = freq_scale * extrap
-            m = mscale
             if ext_factor != 0:
                 y = (np.float32(i) - corr_lo) / max(np.float32(0.001), corr_hi - corr_lo)
                 mix = (one - min(one, max(np.float32(0.0), y))) * ext_factor
                 angle = fma(angle, one - mix, extrap * mix)  # GGML's C contracts the first product
-                m = mscale * fma(np.float32(0.1), np.float32(np.log(one / freq_scale)), one)
             cos[t, i] = np.cos(angle) * m
             sin[t, i] = np.sin(angle) * m
             theta *= theta_scale

@@ -253,6 +253,20 @@ def f32_from_bits(typingctx, x):
 
 
 @intrinsic
+def f16_at(typingctx, a, offset):
+    """The f16 value (as float32) at element `offset` from the start of a's data (uint16 array of
+    f16 bits): addressed like dot_f16_f16_vec, so it reaches a strided 2-D array's rows too."""
+    sig = types.float32(a, offset)
+
+    def codegen(context, builder, signature, args):
+        ptr = _data_ptr(context, builder, signature.args[0], args[0])
+        byte_offset = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), ir.Constant(_I64, 2))
+        return builder.fpext(_load_at(builder, ptr, byte_offset, _F16), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
 def round_to_f16(typingctx, x):
     """x rounded to the nearest f16 value (ties to even), as float32."""
     sig = types.float32(types.float32)
