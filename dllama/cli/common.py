@@ -188,6 +188,19 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
+def require_credential_off_loopback(host: str, credential: str | None, insecure: bool, *, what: str,
+                                    how: str, whom: str) -> None:
+    """A server bound to a non-loopback address without `what` (a secret, an API key) refuses to
+    start, unless --insecure, which only warns: anyone who reaches the port could use it."""
+    if credential is not None or is_loopback(host):
+        return
+    if not insecure:
+        fail(f"--host {host} is not a loopback address and no {what} is set: give {how}, or --insecure to let "
+             f"anyone who reaches the port use {whom}")
+    info(f"warning: serving on {host} without {'an' if what[0] in 'aeiouAEIOU' else 'a'} {what} (--insecure): "
+         f"anyone who reaches the port may use {whom}")
+
+
 def info(message: str) -> None:
     click.echo(message, err=True)
 

@@ -12,7 +12,8 @@ from dataclasses import replace
 import click
 from click.core import ParameterSource
 
-from .common import cluster_options, fail, info, is_loopback, model_options, open_runtime, run_async, sampling_options
+from .common import (cluster_options, info, model_options, open_runtime, require_credential_off_loopback, run_async,
+                     sampling_options)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 
@@ -51,11 +52,8 @@ def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, a
     from ..server.openai_schema import OPENAI_SAMPLING
 
     api_key = api_key or None  # DLLAMA_API_KEY= (empty) means no key
-    if api_key is None and not is_loopback(host):
-        if not insecure:
-            fail(f"--host {host} is not a loopback address and no API key is set: give --api-key KEY "
-                 "(or DLLAMA_API_KEY), or --insecure to let anyone who reaches the port use it")
-        info(f"warning: serving on {host} without an API key (--insecure): anyone who reaches the port may use it")
+    require_credential_off_loopback(host, api_key, insecure, what="API key", how="--api-key KEY (or DLLAMA_API_KEY)",
+                                    whom="it")
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..cluster.slice_cache import default_cache_dir
-from .common import fail, info, is_loopback, run_async
+from .common import require_credential_off_loopback, run_async
 
 
 @click.command()
@@ -34,12 +34,8 @@ from .common import fail, info, is_loopback, run_async
 def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, setup_timeout, insecure, quiet):
     """Serve roots: receive a slice of the model, then run forward steps on command."""
     secret = secret or None  # DLLAMA_SECRET= (empty) means no secret
-    if secret is None and not is_loopback(host):
-        if not insecure:
-            fail(f"--host {host} is not a loopback address and no secret is set: give --secret S (or "
-                 "DLLAMA_SECRET), or --insecure to let anyone who reaches the port use this worker")
-        info(f"warning: serving on {host} without a secret (--insecure): anyone who reaches the port may use "
-             "this worker")
+    require_credential_off_loopback(host, secret, insecure, what="secret", how="--secret S (or DLLAMA_SECRET)",
+                                    whom="this worker")
     from ..cluster.worker import serve
     from ..kernels import set_threads
 
