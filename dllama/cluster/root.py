@@ -108,11 +108,11 @@ class ClusterEngine(Engine):
         """Every configured node and whether it takes part now."""
         active = {w.address: w for w in self.workers}
         status = [{"node": "root", "up": True, "rank": 0}]
-        for i, address in enumerate(self.addresses):
+        for address in self.addresses:
             w = active.get(address)
             name = w.name if w else f"worker ({address[0]}:{address[1]})"
-            status.append({"node": name, "up": w is not None, "rank": w.rank if w else None,
-                           "stats": w.last_stats if w else None})
+            status.append({"node": name, "address": f"{address[0]}:{address[1]}", "up": w is not None,
+                           "rank": w.rank if w else None, "stats": w.last_stats if w else None})
         return status
 
     # ------------------------------------------------------------------ building a session

@@ -137,14 +137,10 @@ class ServerState:
         engine = self.engine
         if engine is None:
             return []
-        nodes = self.nodes()
-        # node_status lists the root, then every configured worker in the order of `addresses`
-        configured = [f"{host}:{port}" for host, port in getattr(engine, "addresses", ())]
-        addresses = [None] + configured if len(configured) == len(nodes) - 1 else [None] * len(nodes)
         plan = getattr(engine, "plan", None)
         last = self.metrics.last or {}
         details = []
-        for i, (node, address) in enumerate(zip(nodes, addresses)):
+        for i, node in enumerate(self.nodes()):
             stats, rank = node.get("stats") or {}, node.get("rank")
             if plan is None:  # one process holds the whole model
                 share = 1.0 if node["up"] else 0.0
@@ -159,7 +155,7 @@ class ServerState:
             else:
                 ms = stats["step_s"] * 1e3 if "step_s" in stats else None
                 rss = stats.get("rss_mb")
-            details.append({"node": node["node"], "address": address, "up": node["up"], "share": share,
+            details.append({"node": node["node"], "address": node.get("address"), "up": node["up"], "share": share,
                             "ms_per_token": ms, "rss_mb": rss})
         return details
 
