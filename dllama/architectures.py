@@ -142,10 +142,9 @@ def layer_features(arch: Architecture, names, n_layers: int, path: str) -> dict[
     names = set(names)
     features = {}
     for flag, parts in _FEATURES.items():
-        present = [f"blk.{i}.{part}" in names for i in range(n_layers) for part in parts]
-        if any(present) and not all(present):
-            missing = next(f"blk.{i}.{part}" for i in range(n_layers) for part in parts
-                           if f"blk.{i}.{part}" not in names)
-            raise ModelError(f"{path}: tensor {missing} is missing (other layers or heads have it)")
-        features[flag] = all(present)
+        wanted = [f"blk.{i}.{part}" for i in range(n_layers) for part in parts]
+        missing = [name for name in wanted if name not in names]
+        if missing and len(missing) < len(wanted):
+            raise ModelError(f"{path}: tensor {missing[0]} is missing (other layers or heads have it)")
+        features[flag] = not missing
     return features
