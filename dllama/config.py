@@ -33,8 +33,8 @@ class RopeScaling:
         assert kind == "yarn", kind
         scale = f32(1.0) / freq_scale
         # get_mscale(factor, 1) / (1 + 0.1 ln factor): 1 up to rounding, as llama.cpp leaves it
-        grow = f32(1.0) if scale <= 1 else _fma32(f32(0.1), f32(math.log(scale)), f32(1.0))
-        mscale = grow * (f32(1.0) / _fma32(f32(0.1), f32(math.log(scale)), f32(1.0))) * f32(attn_factor)
+        growth = _fma32(f32(0.1), f32(math.log(scale)), f32(1.0))  # 1 + 0.1 ln factor, contracted as in C
+        mscale = (f32(1.0) if scale <= 1 else growth) * (f32(1.0) / growth) * f32(attn_factor)
 
         def corr_dim(beta: float) -> float:
             return float(f32(n_dims) * f32(math.log(f32(orig_ctx) / (f32(beta) * f32(2) * f32(math.pi))))
