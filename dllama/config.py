@@ -57,7 +57,7 @@ class ModelConfig:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int  # hidden dimension of the SwiGLU FFN
+    ffn_dim: int  # hidden dimension of the gated FFN (of each expert, in a mixture of experts)
     vocab_size: int
     context_length: int  # what the model was trained for
     rope_base: float
@@ -69,6 +69,21 @@ class ModelConfig:
     attn_bias: bool = False  # Q/K/V biases
     attn_out_bias: bool = False  # attention output bias
     qk_norm: bool = False  # per-head RMS norm of Q and K
+    post_norms: bool = False  # RMS norms of the attention and FFN outputs before the residual adds (Gemma)
+    activation: str = "silu"  # the FFN gate's: silu (SwiGLU) or gelu (GELU-tanh, GeGLU)
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(dim))
+    attn_q_scale: float = 0.0  # Q is multiplied by it before attention (Gemma); 0: scores by 1/sqrt(head_dim)
+    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) if > 0
+    # sliding-window attention (Gemma 3): a local layer's token sees the last `sliding_window`
+    # positions, itself included, and rotates with base rope_base_local and no scaling; layer i is
+    # local unless i % swa_pattern == swa_pattern - 1 (0: every layer is local)
+    sliding_window: int = 0
+    swa_pattern: int = 0
+    rope_base_local: float = 10000.0
+    # mixture of experts (Qwen3-MoE): a replicated router picks n_experts_used of n_experts SwiGLU
+    # FFNs per token (softmax, top-k, weights renormalized to sum 1)
+    n_experts: int = 0
+    n_experts_used: int = 0
     # RoPE scaling (RopeScaling's fields, flat so the config travels as plain numbers)
     rope_freq_scale: float = 1.0
     rope_ext_factor: float = 0.0
@@ -82,6 +97,17 @@ class ModelConfig:
     def rope_scaling(self) -> RopeScaling:
         return RopeScaling(self.rope_freq_scale, self.rope_ext_factor, (self.rope_corr_lo, self.rope_corr_hi),
                            self.rope_mscale)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether a layer attends over a sliding window (with its own RoPE base)."""
+        p = self.swa_pattern
+        return self.sliding_window > 0 and (p == 0 or layer % p < p - 1)
+
+    def rope_of_layer(self, layer: int) -> tuple[float, RopeScaling]:
+        """(RoPE base, scaling) of a layer: local layers rotate unscaled with their own base."""
+        if self.is_local(layer):
+            return self.rope_base_local, RopeScaling(mscale=self.rope_mscale)
+        return self.rope_base, self.rope_scaling
 
     @property
     def group_size(self) -> int:

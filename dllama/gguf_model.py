@@ -14,17 +14,15 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 from gguf import quants as gguf_quants
 
-from .architectures import architecture_of, check_metadata, check_tensors, layer_features, rope_scaling
+from .architectures import (architecture_of, check_metadata, check_tensors, expert_ffn_length, family_config,
+                            layer_features, rope_scaling)
 from .config import ModelConfig
 from .errors import ModelError
 from .gguf_file import ArrayInfo, GGUFFile
 from .quant import QType, quantize, requant_target
-from .weights import Matrix
+from .weights import Experts, Matrix
 
 _REQUANT_ROWS = 256  # rows converted at a time for non-native types
-
-LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 
 
 class GGUFModel:
@@ -84,6 +82,9 @@ class GGUFModel:
         )
         check_metadata(description, self.metadata, self.field, head_dim, self.path)
         check_tensors(description, self.file.tensors, config.n_layers, self.path)
+        if description.moe:
+            config = replace(config, ffn_dim=expert_ffn_length(description, self.field, config.ffn_dim))
+        config = replace(config, **family_config(description, self.field, dim, config.n_layers, n_heads, head_dim))
         scaling = rope_scaling(description, self.field, config.rope_dims, config.rope_base, config.context_length)
         config = replace(config, **layer_features(description, self.file.tensors, config.n_layers, self.path),
                          rope_freq_scale=scaling.freq_scale, rope_ext_factor=scaling.ext_factor,
@@ -107,7 +108,7 @@ class GGUFModel:
             expected["rope_freqs.weight"] = config.rope_dims // 2
         for name, shape in expected.items():
             dims = tuple(self.file.tensors[name].shape)
-            want = (shape,) if isinstance(shape, int) else (shape[1], shape[0])  # GGUF lists the inner dim first
+            want = (shape,) if isinstance(shape, int) else tuple(reversed(shape))  # GGUF lists the inner dim first
             if dims != want:
                 raise ModelError(f"{self.path}: tensor {name} has shape {list(dims)[::-1]}, the model's metadata "
                                  f"gives {list(want)[::-1]}")
@@ -122,9 +123,21 @@ class GGUFModel:
         t = self._get(name)
         if len(t.shape) != 2:
             raise ModelError(f"{self.path}: tensor {name} is not a matrix (shape {list(t.shape)})")
-        cols, rows = t.shape  # GGUF lists the innermost dimension first
+        return self._rows_of(name)
+
+    def experts(self, name: str) -> Experts:
+        """A 3-D weight (a mixture-of-experts layer's matrices, expert by expert) in a native format."""
+        t = self._get(name)
+        if len(t.shape) != 3:
+            raise ModelError(f"{self.path}: tensor {name} is not a stack of expert matrices (shape {list(t.shape)})")
+        return Experts.of(self._rows_of(name), int(t.shape[2]))
+
+    def _rows_of(self, name: str) -> Matrix:
+        """Every row of the tensor (of every expert, one after the other) as one native matrix."""
+        t = self._get(name)
+        cols, rows = t.shape[0], int(np.prod(t.shape[1:]))  # GGUF lists the innermost dimension first
         ggml_type = t.ggml_type
-        data = self.file.data(name)
+        data = self.file.data(name).reshape(rows, -1)
         if ggml_type in QType._value2member_map_:
             return Matrix(QType(ggml_type), rows, cols, data)
         if name not in self._converted:

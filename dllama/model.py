@@ -15,12 +15,13 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextOverflow
-from .gguf_model import LAYER_TENSORS, GGUFModel
+from .gguf_model import GGUFModel
 from .kernels.matmul import Activations
-from .kernels.ops import attention, rmsnorm, rope, silu_mul
+from .kernels.ops import attention, gelu_mul, rmsnorm, rope, silu_mul, softcap
+from .moe import RoutedDown, expert_activations, route
 from .plan import Shard
 from .projection import ALONE, Collectives, Gather, Reduce
-from .weights import Matrix
+from .weights import Experts, Matrix
 
 
 @dataclass
@@ -31,9 +32,10 @@ class LayerWeights:
     wv: Matrix
     wo: Matrix  # columns: this node's query heads (gather mode: rows: its output rows)
     ffn_norm: np.ndarray
-    w_gate: Matrix  # rows: this node's FFN hidden units
-    w_up: Matrix
-    w_down: Matrix  # columns: this node's FFN hidden units (gather mode: rows: its output rows)
+    # the FFN: one (Matrix), or in a mixture of experts the same slice of each expert (Experts)
+    w_gate: Matrix | Experts  # rows: this node's FFN hidden units
+    w_up: Matrix | Experts
+    w_down: Matrix | Experts  # columns: this node's FFN hidden units (gather mode: rows: its output rows)
     # what some architectures add (architectures.py); None where the model has none
     bq: np.ndarray | None = None  # Q/K/V biases, sliced with the heads
     bk: np.ndarray | None = None
@@ -41,6 +43,9 @@ class LayerWeights:
     bo: np.ndarray | None = None  # attention output bias, whole (added once the projection is whole)
     q_norm: np.ndarray | None = None  # per-head RMS norm scales of Q and K (head_dim each)
     k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None  # RMS norms of the whole attention / FFN output (Gemma)
+    ffn_post_norm: np.ndarray | None = None
+    router: Matrix | None = None  # a mixture of experts' router (n_experts rows), whole on every node
 
 
 @dataclass
@@ -56,14 +61,20 @@ class ShardWeights:
         return cls.from_tensors(dict(shard_tensors(model, shard, mode)))
 
     @classmethod
-    def from_tensors(cls, t: dict[str, Matrix | np.ndarray]) -> "ShardWeights":
-        n_layers = sum(1 for name in t if name.endswith(".attn_norm"))
-        layers = [
-            LayerWeights(**{_FIELD[part]: t[f"blk.{i}.{part}"] for part in LAYER_TENSORS},
-                         **{field: t.get(f"blk.{i}.{part}") for part, field in _OPTIONAL_FIELD.items()})
-            for i in range(n_layers)
-        ]
-        return cls(layers, t["output_norm"], t["output"], t.get("rope_freqs"))
+    def from_tensors(cls, t: dict[str, Matrix | Experts | np.ndarray]) -> "ShardWeights":
+        """From `shard_tensors`' names; expert stacks may come as one matrix each (as they travel)."""
+        layers: dict[int, dict] = {}
+        for name, value in t.items():
+            if name.startswith("blk."):
+                _, index, part = name.split(".", 2)
+                layers.setdefault(int(index), {})[_FIELD[part]] = value
+        for fields in layers.values():
+            if fields.get("router") is not None:
+                for key in ("w_gate", "w_up", "w_down"):
+                    if isinstance(fields[key], Matrix):
+                        fields[key] = Experts.of(fields[key], fields["router"].rows)
+        return cls([LayerWeights(**layers[i]) for i in range(len(layers))], t["output_norm"], t["output"],
+                   t.get("rope_freqs"))
 
     @property
     def nbytes(self) -> int:
@@ -74,10 +85,13 @@ class ShardWeights:
         return total
 
 
+# shard_tensors' names of a layer's parts -> LayerWeights fields
 _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-          "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
-_OPTIONAL_FIELD = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.bias": "bo",
-                   "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+          "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+          "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.bias": "bo",
+          "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+          "post_attention_norm": "attn_post_norm", "post_ffw_norm": "ffn_post_norm",
+          "ffn_gate_inp": "router", "ffn_gate_exps": "w_gate", "ffn_up_exps": "w_up", "ffn_down_exps": "w_down"}
 
 
 def shard_tensors(model: GGUFModel, shard: Shard,
@@ -107,12 +121,23 @@ def shard_tensors(model: GGUFModel, shard: Shard,
         if model.config.qk_norm:
             yield f"blk.{i}.attn_q_norm", model.vector(model.layer_name(i, "attn_q_norm"))
             yield f"blk.{i}.attn_k_norm", model.vector(model.layer_name(i, "attn_k_norm"))
-        wo, w_down = m("attn_output"), m("ffn_down")
+        wo = m("attn_output")
         yield f"blk.{i}.attn_output", wo.row_slice(*shard.rows) if by_rows else wo.col_slice(q0, q1)
+        if model.config.post_norms:
+            yield f"blk.{i}.post_attention_norm", model.vector(model.layer_name(i, "post_attention_norm"))
+            yield f"blk.{i}.post_ffw_norm", model.vector(model.layer_name(i, "post_ffw_norm"))
         yield f"blk.{i}.ffn_norm", model.vector(model.layer_name(i, "ffn_norm"))
-        yield f"blk.{i}.ffn_gate", m("ffn_gate").row_slice(f0, f1)
-        yield f"blk.{i}.ffn_up", m("ffn_up").row_slice(f0, f1)
-        yield f"blk.{i}.ffn_down", w_down.row_slice(*shard.rows) if by_rows else w_down.col_slice(f0, f1)
+        if model.config.n_experts:  # the same slice of every expert; the router whole
+            yield f"blk.{i}.ffn_gate_inp", m("ffn_gate_inp")
+            ffn = "_exps"
+            gate, up, down = (model.experts(model.layer_name(i, part + ffn))
+                              for part in ("ffn_gate", "ffn_up", "ffn_down"))
+        else:
+            ffn = ""
+            gate, up, down = m("ffn_gate"), m("ffn_up"), m("ffn_down")
+        yield f"blk.{i}.ffn_gate{ffn}", gate.row_slice(f0, f1)
+        yield f"blk.{i}.ffn_up{ffn}", up.row_slice(f0, f1)
+        yield f"blk.{i}.ffn_down{ffn}", down.row_slice(*shard.rows) if by_rows else down.col_slice(f0, f1)
     yield "output_norm", model.vector("output_norm.weight")
     yield "output", model.matrix(model.lm_head_name).row_slice(*shard.vocab)
     freqs = model.rope_freq_factors()
@@ -122,19 +147,26 @@ def shard_tensors(model: GGUFModel, shard: Shard,
 
 def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce") -> dict[str, tuple[int, int] | int]:
     """The shape of every tensor `shard_tensors` cuts for a shard, by name: (rows, cols) of a
-    matrix, the length of a vector. Leaves out rope_freqs, which only some models have."""
+    matrix, (experts, rows, cols) of a stack of experts, the length of a vector. Leaves out
+    rope_freqs, which only some models have."""
     hd, dim = config.head_dim, config.dim
     nq, nkv = shard.n_q_heads * hd, shard.n_kv_heads * hd
     nf, nrows = shard.ffn[1] - shard.ffn[0], shard.rows[1] - shard.rows[0]
     by_rows = mode == "gather"
     shapes: dict[str, tuple[int, int] | int] = {}
+    ffn, n_exp = ("_exps", (config.n_experts,)) if config.n_experts else ("", ())
     for i in range(config.n_layers):
         shapes.update({
             f"blk.{i}.attn_norm": dim, f"blk.{i}.attn_q": (nq, dim), f"blk.{i}.attn_k": (nkv, dim),
             f"blk.{i}.attn_v": (nkv, dim),
             f"blk.{i}.attn_output": (nrows, config.n_heads * hd) if by_rows else (dim, nq),
-            f"blk.{i}.ffn_norm": dim, f"blk.{i}.ffn_gate": (nf, dim), f"blk.{i}.ffn_up": (nf, dim),
-            f"blk.{i}.ffn_down": (nrows, config.ffn_dim) if by_rows else (dim, nf)})
+            f"blk.{i}.ffn_norm": dim, f"blk.{i}.ffn_gate{ffn}": n_exp + (nf, dim),
+            f"blk.{i}.ffn_up{ffn}": n_exp + (nf, dim),
+            f"blk.{i}.ffn_down{ffn}": n_exp + ((nrows, config.ffn_dim) if by_rows else (dim, nf))})
+        if config.n_experts:
+            shapes[f"blk.{i}.ffn_gate_inp"] = (config.n_experts, dim)
+        if config.post_norms:
+            shapes.update({f"blk.{i}.post_attention_norm": dim, f"blk.{i}.post_ffw_norm": dim})
         if config.attn_bias:
             shapes.update({f"blk.{i}.attn_q.bias": nq, f"blk.{i}.attn_k.bias": nkv, f"blk.{i}.attn_v.bias": nkv})
         if config.attn_out_bias:
@@ -185,10 +217,13 @@ class ShardModel:
         if start + T > self.ctx_size:
             raise ContextOverflow(f"{start + T} tokens do not fit the context of {self.ctx_size}")
         x = np.array(x, dtype=np.float32)
+        if cfg.embedding_scale != 1.0:  # Gemma
+            x *= np.float32(cfg.embedding_scale)
         pos = np.arange(start, start + T)
         nq, nkv = self.shard.n_q_heads, self.shard.n_kv_heads
         project = self.projection.project
-        for w, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache):
+        gate = gelu_mul if cfg.activation == "gelu" else silu_mul
+        for i, (w, k_cache, v_cache) in enumerate(zip(self.weights.layers, self.k_cache, self.v_cache)):
             # attention over this node's heads
             h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
             if nq:
@@ -198,27 +233,43 @@ class ShardModel:
                     k += w.bk
                     v += w.bv
                 q, k, v = q.reshape(T, nq, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
-                if w.q_norm is not None:  # Qwen3: each head RMS-normed before RoPE
+                if w.q_norm is not None:  # Qwen3, Gemma 3: each head RMS-normed before RoPE
                     q = rmsnorm(q.reshape(T * nq, hd), w.q_norm, cfg.norm_eps).reshape(T, nq, hd)
                     k = rmsnorm(k.reshape(T * nkv, hd), w.k_norm, cfg.norm_eps).reshape(T, nkv, hd)
-                rope(q, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors, cfg.rope_scaling)
-                rope(k, pos, cfg.rope_dims, cfg.rope_base, cfg.rope_neox, self.weights.rope_freq_factors, cfg.rope_scaling)
+                base, scaling = cfg.rope_of_layer(i)
+                rope(q, pos, cfg.rope_dims, base, cfg.rope_neox, self.weights.rope_freq_factors, scaling)
+                rope(k, pos, cfg.rope_dims, base, cfg.rope_neox, self.weights.rope_freq_factors, scaling)
+                if cfg.attn_q_scale:  # Gemma scales Q, not the scores
+                    q *= np.float32(cfg.attn_q_scale)
                 k_cache[:, start:start + T] = k.transpose(1, 0, 2)
                 v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
-                att = attention(q, k_cache, v_cache, self.kv_of_head, start).reshape(T, nq * hd)
+                att = attention(q, k_cache, v_cache, self.kv_of_head, start, 1.0 if cfg.attn_q_scale else None,
+                                cfg.sliding_window if cfg.is_local(i) else 0).reshape(T, nq * hd)
             else:
                 att = np.zeros((T, 0), np.float32)
             out = await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads
             if w.bo is not None:
                 out += w.bo
+            if w.attn_post_norm is not None:  # Gemma
+                out = rmsnorm(out, w.attn_post_norm, cfg.norm_eps)
             x += out
 
-            # feed-forward over this node's hidden units
+            # feed-forward over this node's hidden units (of each expert, in a mixture of experts)
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
-            a = silu_mul(w.w_gate.matmul(h), w.w_up.matmul(h))
-            x += await project(w.w_down, a, "ffn", comm)  # sync point 2: W2 @ a, all hidden units
+            if w.router is None:
+                a, down = gate(w.w_gate.matmul(h), w.w_up.matmul(h)), w.w_down
+            else:  # the router is whole on every node, so all nodes pick the same experts
+                routes = route(w.router.matmul(h), cfg.n_experts_used)
+                a, down = expert_activations(h, routes, w.w_gate, w.w_up), RoutedDown(w.w_down, routes)
+            out = await project(down, a, "ffn", comm)  # sync point 2: W2 @ a, all hidden units
+            if w.ffn_post_norm is not None:  # Gemma
+                out = rmsnorm(out, w.ffn_post_norm, cfg.norm_eps)
+            x += out
         return x
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """This node's slice of the logits (T, vocab slice) for final residual rows x (T, dim)."""
-        return self.weights.lm_head.matmul(rmsnorm(x, self.weights.output_norm, self.config.norm_eps))
+        logits = self.weights.lm_head.matmul(rmsnorm(x, self.weights.output_norm, self.config.norm_eps))
+        if self.config.logit_softcap:  # Gemma 2 style, where a Gemma 3 GGUF asks for it
+            logits = softcap(logits, self.config.logit_softcap)
+        return logits

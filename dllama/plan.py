@@ -3,7 +3,10 @@
 - Attention by whole heads. GQA: while there are at least as many KV heads as nodes, the unit is
   a KV group (one KV head and its query heads); past that, query heads are split one by one and
   each node keeps (replicates) the KV heads its query heads read.
-- FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks.
+- FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks. A mixture of
+  experts the same way: each node holds the same hidden units of *every* expert (and the whole
+  router), so whichever experts a token picks, all nodes compute their slice of them and the FFN
+  keeps its one sync point; a node's weights are its share of all experts (`dllama models plan`).
 - LM head by vocabulary rows.
 - Output rows (the model dimension) of the attention output and FFN down projections: the slice
   a node computes whole in gather mode (see model.py), where those two matrices are split by rows.

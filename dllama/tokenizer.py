@@ -90,7 +90,10 @@ class Tokenizer:
         """The prompt for the assistant's next turn (the formatter adds the generation prompt)."""
         if self._template is None:
             raise ModelError("this model has no chat template")
-        return self._template(messages=messages).prompt
+        try:
+            return self._template(messages=messages).prompt
+        except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception()
+            raise ModelError(f"the model's chat template rejected the messages: {e}") from None
 
 
 class StreamDecoder:

@@ -36,12 +36,7 @@ class Matrix:
 
     def col_slice(self, start: int, stop: int) -> "Matrix":
         """Columns [start, stop), on block boundaries: a strided view (each row stays contiguous)."""
-        fmt = FORMATS[self.qtype]
-        if start % fmt.block_size or stop % fmt.block_size:
-            raise ValueError(f"{self.qtype.name} columns can only be cut at multiples of {fmt.block_size}")
-        b0, b1 = start // fmt.block_size * fmt.block_bytes, stop // fmt.block_size * fmt.block_bytes
-        if self.qtype in (QType.F32, QType.F16):
-            b0, b1 = start, stop
+        b0, b1 = _column_range(self.qtype, start, stop)
         return Matrix(self.qtype, self.rows, stop - start, self.data[:, b0:b1])
 
     def contiguous(self) -> "Matrix":
@@ -55,3 +50,57 @@ class Matrix:
     def row_values(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows (an embedding lookup): float32 (len(index), cols)."""
         return dequantize(np.ascontiguousarray(self.data[index]), self.qtype)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layer's stack of n matrices of one shape (a 3-D GGUF tensor, expert
+    by expert): `data` is (n, rows, row bytes) for block formats, (n, rows, cols) otherwise. A
+    node's slice cuts the same rows or columns of every expert (a strided view, no copy); on the
+    wire it travels as one matrix of n * rows rows, expert after expert."""
+
+    qtype: QType
+    n: int
+    rows: int  # of each expert
+    cols: int
+    data: np.ndarray
+
+    def __post_init__(self):
+        if self.data.ndim != 3 or self.data.shape[:2] != (self.n, self.rows):
+            raise ValueError(f"expert data of shape {self.data.shape} does not hold {self.n} x {self.rows} rows")
+
+    @classmethod
+    def of(cls, m: Matrix, n: int) -> "Experts":
+        """The stack whose experts are n equal runs of m's rows."""
+        if m.rows % n:
+            raise ValueError(f"{m.rows} rows do not split into {n} experts")
+        return cls(m.qtype, n, m.rows // n, m.cols, m.data.reshape(n, m.rows // n, m.data.shape[1]))
+
+    def __getitem__(self, e: int) -> Matrix:
+        return Matrix(self.qtype, self.rows, self.cols, self.data[e])
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self[0].nbytes
+
+    def as_matrix(self) -> Matrix:
+        """The experts one after the other, as one matrix (a copy if the stack is a strided slice)."""
+        data = np.ascontiguousarray(self.data)
+        return Matrix(self.qtype, self.n * self.rows, self.cols, data.reshape(self.n * self.rows, data.shape[2]))
+
+    def row_slice(self, start: int, stop: int) -> "Experts":
+        return Experts(self.qtype, self.n, stop - start, self.cols, self.data[:, start:stop])
+
+    def col_slice(self, start: int, stop: int) -> "Experts":
+        b0, b1 = _column_range(self.qtype, start, stop)
+        return Experts(self.qtype, self.n, self.rows, stop - start, self.data[:, :, b0:b1])
+
+
+def _column_range(qtype: QType, start: int, stop: int) -> tuple[int, int]:
+    """Where columns [start, stop) lie in a row's data (bytes of a block format, else elements)."""
+    fmt = FORMATS[qtype]
+    if start % fmt.block_size or stop % fmt.block_size:
+        raise ValueError(f"{qtype.name} columns can only be cut at multiples of {fmt.block_size}")
+    if qtype in (QType.F32, QType.F16):
+        return start, stop
+    return start // fmt.block_size * fmt.block_bytes, stop // fmt.block_size * fmt.block_bytes

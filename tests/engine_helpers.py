@@ -35,6 +35,21 @@ SYNTHETIC_SPECS = {
                   rope_base=1e6, tied_embeddings=True, attn_bias=True, seed=12),  # Qwen2.5-0.5B
     "qwen3": dict(arch="qwen3", dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
                   qtype="Q8_0", rope_base=1e6, tied_embeddings=True, qk_norm=True, seed=13),  # Qwen3-0.6B
+    # Qwen3-MoE: Qwen3-30B-A3B's head_dim 128, 8 query heads per KV head and 768-wide experts; 16
+    # experts, routed top-2 and top-8 (its router F32, as llama.cpp's quantize leaves it)
+    "qwen3moe-top2": dict(arch="qwen3moe", dim=1024, n_layers=2, n_heads=16, n_kv_heads=2, head_dim=128, ffn_dim=768,
+                          n_experts=16, n_experts_used=2, qtype="Q8_0", rope_base=1e6, qk_norm=True, seed=15),
+    "qwen3moe-top8": dict(arch="qwen3moe", dim=1024, n_layers=2, n_heads=16, n_kv_heads=2, head_dim=128, ffn_dim=768,
+                          n_experts=16, n_experts_used=8, qtype="Q8_0", rope_base=1e6, qk_norm=True, seed=16),
+    # Gemma 3 1B's layer; a window of 32 and a local/global pattern of 2 so that 96 tokens cross
+    # the window and both layer kinds appear; an untied LM head (tied, random embeddings scaled
+    # by sqrt(dim) make every token predict itself, whatever the layers compute)
+    "gemma3": dict(arch="gemma3", dim=1152, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+                   qtype="Q8_0", rope_base=1e6, qk_norm=True, post_norms=True, sliding_window=32, swa_pattern=2,
+                   seed=17),
+    "gemma3-softcap": dict(arch="gemma3", dim=256, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=64, ffn_dim=512,
+                           qtype="Q8_0", qk_norm=True, post_norms=True, sliding_window=32, swa_pattern=2,
+                           logit_softcap=1.0, seed=18),  # a cap near these logits' spread, as 30 is to Gemma 2's
     "qwen3-tiny": dict(arch="qwen3", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                        qtype="Q8_0", qk_norm=True, seed=14),
     # the big shapes, 2 layers: dim 2048, 32 heads / 8 KV heads, FFN 8192, Q4_0, untied LM head

@@ -220,7 +220,8 @@ def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     w = _writer(path, arch="gpt2")
     _close(w, [("token_embd.weight", np.zeros((32, 64), np.float32), None)])
-    with pytest.raises(ModelError, match=r"unsupported model architecture 'gpt2'.*supported: llama"):
+    supported = "gemma3, llama, mistral, qwen2, qwen3, qwen3moe"
+    with pytest.raises(ModelError, match=rf"unsupported model architecture 'gpt2'.*supported: {supported}\)"):
         GGUFModel(path)
 
 

@@ -10,8 +10,8 @@ from numba import njit
 
 from dllama.config import RopeScaling
 from dllama.kernels.matmul import Activations, Q8Activations, matmul, matmul_ref, round_f16
-from dllama.kernels.ops import (attention, attention_ref, expf, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
-                                silu_mul_ref)
+from dllama.kernels.ops import (attention, attention_ref, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm,
+                                rmsnorm_ref, rope, rope_ref, silu_mul, silu_mul_ref, softcap)
 from dllama.quant import QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
@@ -289,6 +289,30 @@ def test_silu_mul():
     assert np.isfinite(ours).all()
 
 
+def test_gelu_mul():
+    """GGML's GELU: f16 table lookups of the gate (0 below -10, identity above 10), within the
+    table's f16 rounding of the exact tanh-GELU."""
+    rng = np.random.default_rng(15)
+    gate = np.concatenate([rng.standard_normal((3, 1000)) * 3, np.linspace(-12, 12, 1000)[None]]).astype(np.float32)
+    up = rng.standard_normal((4, 1000)).astype(np.float32)
+    ours, ref = gelu_mul(gate, up), gelu_mul_ref(gate, up)
+    # the gate rounded to f16 (2^-11 relative), the table's value too: ~1e-3 of the gate's size
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-3 * np.abs(gate * up).max())
+    assert np.array_equal(ours[gate <= -10], np.zeros((gate <= -10).sum(), np.float32))
+    np.testing.assert_array_equal(ours[gate >= 10], (gate * up)[gate >= 10])
+    # the lookup: the table's entry of the gate's f16 rounding, exactly
+    bits = gate[0].astype(np.float16).view(np.uint16)
+    inside = np.abs(gate[0]) < 10
+    np.testing.assert_array_equal(ours[0][inside], (gelu_table()[bits] * up[0])[inside])
+
+
+def test_softcap_bends_logits_into_the_cap():
+    x = np.linspace(-50, 50, 1001, dtype=np.float32)[None]
+    ours = softcap(x, 30.0)
+    np.testing.assert_allclose(ours, 30 * np.tanh(x.astype(np.float64) / 30), rtol=1e-6, atol=1e-6)
+    assert np.abs(ours).max() < 30 and ours.dtype == np.float32
+
+
 # ------------------------------------------------------------------ attention
 
 
@@ -318,6 +342,30 @@ def test_attention_matches_reference(T, start, Hq, Hkv, kv_map):
     ref = attention_ref(q, k, v, kv_of_head, start)
     assert ours.shape == (T, Hq, D)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=5e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("window", [1, 5, 8])
+def test_sliding_window_attention_matches_reference(window):
+    """A query sees the last `window` positions, itself included; an explicit scale replaces 1/sqrt(D)."""
+    rng = np.random.default_rng(window)
+    T, start, Hq, Hkv, D, ctx = 6, 11, 4, 1, 64, 32
+    k, v = _kv(rng, Hkv, ctx, D, start + T)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    kv_of_head = np.zeros(Hq, np.int64)
+    ours = attention(q, k, v, kv_of_head, start, 0.25, window)
+    ref = attention_ref(q, k, v, kv_of_head, start, 0.25, window)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=5e-5 * np.abs(ref).max())
+    assert not np.allclose(ours, attention(q, k, v, kv_of_head, start, 0.25), atol=1e-3)
+    if window == 1:  # each token sees only itself: its value row exactly (weight 1)
+        np.testing.assert_array_equal(ours, v[0][:, start:start + T].T[:, None, :].astype(np.float32)
+                                      .repeat(Hq, axis=1))
+    # cells before the window do not matter; the first cell inside it does
+    first = start - window + 1  # of query 0
+    k[:, :first] = 300.0
+    v[:, :, :first] = -200.0
+    np.testing.assert_array_equal(attention(q, k, v, kv_of_head, start, 0.25, window), ours)
+    v[:, :, first] += np.float16(1.0)
+    assert not np.array_equal(attention(q, k, v, kv_of_head, start, 0.25, window)[0], ours[0])
 
 
 def test_attention_is_causal_and_ignores_stale_cells():

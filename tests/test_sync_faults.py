@@ -4,7 +4,6 @@ fail fast, naming it; a SIGSTOPped rank is declared dead after the configured ti
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 

@@ -86,6 +86,16 @@ class WireConfig(_Message):
     attn_bias: bool = False  # optional layer parts (architectures.py)
     attn_out_bias: bool = False
     qk_norm: bool = False
+    post_norms: bool = False
+    activation: Literal["silu", "gelu"] = "silu"
+    embedding_scale: Annotated[float, Meta(gt=0)] = 1.0
+    attn_q_scale: Annotated[float, Meta(ge=0)] = 0.0
+    logit_softcap: Annotated[float, Meta(ge=0)] = 0.0
+    sliding_window: Annotated[int, Meta(ge=0, le=MAX_CTX)] = 0
+    swa_pattern: Annotated[int, Meta(ge=0, le=4096)] = 0
+    rope_base_local: Annotated[float, Meta(gt=0)] = 10000.0
+    n_experts: Annotated[int, Meta(ge=0, le=256)] = 0
+    n_experts_used: Annotated[int, Meta(ge=0, le=256)] = 0
     rope_freq_scale: Annotated[float, Meta(gt=0)] = 1.0  # RoPE scaling (config.RopeScaling)
     rope_ext_factor: float = 0.0
     rope_corr_lo: float = 0.0
@@ -95,8 +105,11 @@ class WireConfig(_Message):
     eos_id: Optional[TokenId] = None
 
     def __post_init__(self):
-        for name in ("rope_base", "rope_freq_scale", "rope_ext_factor", "rope_corr_lo", "rope_corr_hi", "rope_mscale"):
+        for name in ("rope_base", "rope_freq_scale", "rope_ext_factor", "rope_corr_lo", "rope_corr_hi", "rope_mscale",
+                     "embedding_scale", "attn_q_scale", "logit_softcap", "rope_base_local"):
             _finite(name, getattr(self, name))
+        if (self.n_experts == 0) != (self.n_experts_used == 0) or self.n_experts_used > self.n_experts:
+            raise ValueError(f"n_experts_used {self.n_experts_used} does not fit n_experts {self.n_experts}")
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a whole number of n_kv_heads {self.n_kv_heads} groups")
         if self.rope_dims > self.head_dim:
@@ -209,6 +222,8 @@ class Setup(_Message):
                 shape = expected.get(e.name)
                 if shape is None:
                     raise ValueError(f"manifest[{i}]: unknown tensor {e.name!r}")
+            if not isinstance(shape, int) and len(shape) == 3:  # experts travel as one matrix, one after another
+                shape = (shape[0] * shape[1], shape[2])
             if isinstance(shape, int):
                 if e.rows != 0 or e.qtype != QType.F32 or e.cols != shape or e.nbytes != e.nbytes_as(vector=True):
                     raise ValueError(f"manifest[{i}]: tensor {e.name} must be an f32 vector of "

@@ -10,9 +10,11 @@ import msgspec
 import numpy as np
 
 from ..quant import FORMATS, QType
-from ..weights import Matrix
+from ..weights import Experts, Matrix
 
-Tensor = Matrix | np.ndarray  # a weight matrix, or a float32 vector (norm scales, RoPE factors)
+# a weight matrix, a stack of expert matrices (travels as one matrix, expert after expert), or a
+# float32 vector (norm scales, RoPE factors)
+Tensor = Matrix | Experts | np.ndarray
 
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a sha256 as hexdigest() writes it: also a slice's file name
 Digest = Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=DIGEST.pattern)]
@@ -44,7 +46,7 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def tensor_bytes(t: Tensor) -> np.ndarray:
     """The tensor's bytes as one contiguous uint8 array (a copy only if the source is strided)."""
-    data = t.data if isinstance(t, Matrix) else np.asarray(t, np.float32)
+    data = t.data if isinstance(t, (Matrix, Experts)) else np.asarray(t, np.float32)
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
@@ -53,6 +55,8 @@ def make_entry(name: str, t: Tensor) -> TensorEntry:
     digest = hashlib.sha256(raw).hexdigest()
     if isinstance(t, Matrix):
         return TensorEntry(name, int(t.qtype), t.rows, t.cols, raw.nbytes, digest)
+    if isinstance(t, Experts):
+        return TensorEntry(name, int(t.qtype), t.n * t.rows, t.cols, raw.nbytes, digest)
     return TensorEntry(name, int(QType.F32), 0, int(t.shape[0]), raw.nbytes, digest)
 
 

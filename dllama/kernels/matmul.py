@@ -17,8 +17,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType
-from .simd import (dot_f16_f16_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q8_0_q8,
-                   dot_q8_0_q8_wide, f16_at)
+from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide,
+                   dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
@@ -131,14 +131,18 @@ def _mm_f16(w, x16, out):
             out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE, fastmath=True)
+@njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_f32(w, x, out):
+    """In the order of GGML's single-token ggml_vec_dot_f32 (then a float32 tail past the last
+    multiple of 32), like the F16 matmul: an F32 matrix (a MoE router) sums as llama.cpp's decode."""
     rows, cols = w.shape
     T = x.shape[0]
+    row_stride = w.strides[0] // 4  # in elements; rows of a column slice are not adjacent
+    main = cols - cols % 32
     for r in prange(rows):
         for t in range(T):
-            acc = np.float32(0.0)
-            for c in range(cols):
+            acc = dot_f32_f32_vec(w, r * row_stride, x, t * cols, main)
+            for c in range(main, cols):
                 acc += w[r, c] * x[t, c]
             out[t, r] = acc
 
@@ -189,6 +193,16 @@ class Activations:
         self = cls.__new__(cls)
         self.x, self._q8, self._f16 = None, q8, None
         return self
+
+    def take(self, index: np.ndarray) -> "Activations":
+        """The rows `index` (in that order), with the forms computed so far: each row is quantized
+        on its own, so a row's blocks are the same bits taken from here or computed anew."""
+        out = Activations.__new__(Activations)
+        out.x = None if self.x is None else self.x[index]
+        out._q8 = None if self._q8 is None else Q8Activations(self._q8.q[index], self._q8.d[index],
+                                                               self._q8.ds[index])
+        out._f16 = None if self._f16 is None else self._f16[index]
+        return out
 
     @property
     def tokens(self) -> int:

@@ -1,13 +1,16 @@
-"""Transformer ops: RMSNorm, RoPE, SiLU-gate, causal attention over an f16 KV cache.
+"""Transformer ops: RMSNorm, RoPE, SiLU and GELU gates, causal attention over an f16 KV cache.
 
 Each numba kernel has a numpy reference `*_ref` beside it. Numerics follow llama.cpp's CPU path
 where that changes results: RMSNorm sums squares in double; RoPE angles are built by repeated
-f32 multiplication; exp is GGML's polynomial; the KV cache is f16, queries and softmax weights are
-rounded to f16 before meeting it, dot products run on 8 lanes, the softmax sums groups of 8 in
-double.
+f32 multiplication; exp is GGML's polynomial; GELU is GGML's f16 table; the KV cache is f16,
+queries and softmax weights are rounded to f16 before meeting it, dot products run on 8 lanes,
+the softmax sums groups of 8 in double.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -199,24 +202,83 @@ def silu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
 
 
+# ------------------------------------------------------------------ GELU gate (GeGLU)
+
+_GELU_COEF_A = np.float32(0.044715)
+_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+
+
+@functools.cache
+def gelu_table() -> np.ndarray:
+    """GGML's GELU (tanh form) of every f16 value, as f32 (ggml_table_gelu_f16): its formula in
+    float32 with the C library's tanhf, rounded to f16. GGML computes the GELU of a float32 by
+    looking its f16 rounding up here, so the FFN of Gemma matches llama.cpp only through it."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        inner = _SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x)
+        return (np.float32(0.5) * x * (np.float32(1.0) + tanhf(inner))).astype(np.float16).astype(np.float32)
+
+
+@njit(nogil=True, cache=CACHE)
+def tanhf(x):
+    """tanh of a float32 array by the C library's tanhf (numba calls it for a float32), as GGML's
+    tanh; numpy's own float32 tanh rounds differently."""
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out.flat[i] = math.tanh(x.flat[i])
+    return out
+
+
+def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(logits / cap), as llama.cpp: times 1/cap (in float32), tanhf, times cap."""
+    return tanhf(logits * (np.float32(1.0) / np.float32(cap))) * np.float32(cap)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _gelu_mul(gate, up, table, out):
+    T, n = gate.shape
+    for t in prange(T):
+        for i in range(n):
+            g = gate[t, i]
+            if g <= np.float32(-10.0):
+                out[t, i] = np.float32(0.0)
+            elif g >= np.float32(10.0):
+                out[t, i] = g * up[t, i]
+            else:
+                out[t, i] = table[f16_bits(g)] * up[t, i]
+
+
+def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up, elementwise (the GeGLU feed-forward's gate), as GGML's geglu."""
+    out = np.empty_like(gate)
+    _gelu_mul(gate, up, gelu_table(), out)
+    return out
+
+
+def gelu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    g = gate.astype(np.float64)
+    return (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * up).astype(np.float32)
+
+
 # ------------------------------------------------------------------ softmax
 
 
 @njit(nogil=True, cache=CACHE, inline="always")
-def _softmax_row(x, n):
-    """softmax of x[:n] in place, as GGML's soft_max over a row that masked (-inf) entries pad to
-    a multiple of 8: exp by its polynomial, then 8-lane group sums added in float64. x[n:] up to
-    the next multiple of 8 must be zeros (what the masked entries' exp gives)."""
+def _softmax_row(x, lo, n):
+    """softmax of x[lo:n] in place, as GGML's soft_max over a row where masked (-inf) entries
+    fill [0, lo) and pad n to a multiple of 8: exp by its polynomial, then 8-lane group sums added
+    in float64. x[:lo] and x[n:] up to the next multiple of 8 must be zeros (what the masked
+    entries' exp gives)."""
     top = -np.inf
-    for i in range(n):
+    for i in range(lo, n):
         top = max(top, x[i])
-    for i in range(n):
+    for i in range(lo, n):
         x[i] = expf(x[i] - top)
     total = 0.0
-    for g in range(0, n, 8):
+    for g in range(lo - lo % 8, n, 8):
         total += hsum8(x, g)
     inv = np.float32(1.0 / total)
-    for i in range(n):
+    for i in range(lo, n):
         x[i] = x[i] * inv
 
 
@@ -226,7 +288,7 @@ def _softmax(x, out):
     for t in prange(T):
         row = np.zeros((n + 7) // 8 * 8, np.float32)
         row[:n] = x[t]
-        _softmax_row(row, n)
+        _softmax_row(row, 0, n)
         out[t] = row[:n]
 
 
@@ -248,8 +310,9 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, out):
-    """Causal attention of the queries at positions start..start+T-1.
+def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale, window, out):
+    """Causal attention of the queries at positions start..start+T-1 (over the last `window`
+    positions if window > 0).
     q16 (T, Hq, D), k_cache (Hkv, ctx, D), v_cache_t (Hkv, D, ctx): f16 bits, flattened and
     addressed by offsets (a per-row view would cost an atomic reference count update in the
     parallel loop); out (T, Hq, D) f32. Each (token, head) is computed as llama.cpp computes a
@@ -259,45 +322,51 @@ def _attention(q16, k_cache, v_cache_t, T, Hq, D, ctx, kv_of_head, start, scale,
         t, h = job // Hq, job % Hq
         kv = kv_of_head[h]
         n = start + t + 1
+        lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
         n_pad = min((n + pad - 1) // pad * pad, ctx)
         weights = np.zeros(n_pad, np.float32)
-        for s in range(n):
+        for s in range(lo, n):
             weights[s] = dot_f16(k_cache, (kv * ctx + s) * D, q16, (t * Hq + h) * D, D) * scale
-        _softmax_row(weights, n)
+        _softmax_row(weights, lo, n)
         probs16 = np.zeros(n_pad, np.uint16)
-        for s in range(n):
+        for s in range(lo, n):
             probs16[s] = f16_bits(weights[s])
         for d in range(D):
             out[t, h, d] = dot_f16(v_cache_t, (kv * D + d) * ctx, probs16, 0, n_pad)
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache_t: np.ndarray, kv_of_head: np.ndarray,
-              start: int) -> np.ndarray:
+              start: int, scale: float | None = None, window: int = 0) -> np.ndarray:
     """q (T, Hq, D) at positions start.., k_cache (Hkv, ctx, D) and transposed v_cache_t
     (Hkv, D, ctx), both float16, ctx a multiple of 32 -> (T, Hq, D) float32.
-    kv_of_head[h] is the cache head that query head h reads (GQA). Batch-invariant: every query
+    kv_of_head[h] is the cache head that query head h reads (GQA). Scores are scaled by `scale`
+    (default 1/sqrt(D)); window > 0: a query sees the last `window` positions, itself included
+    (sliding-window attention). Batch-invariant: every query
     is summed in llama.cpp's one-token order (its decode), so a row of the result is the same
     bits whether computed alone or with other tokens."""
     T, Hq, D = q.shape
     if D % 8 or k_cache.shape[1] % 32:
         raise ValueError("head dimension must be a multiple of 8, cache length of 32")
     out = np.empty((T, Hq, D), np.float32)
-    scale = np.float32(1.0) / np.sqrt(np.float32(D))
+    scale = np.float32(1.0) / np.sqrt(np.float32(D)) if scale is None else np.float32(scale)
     _attention(q.astype(np.float16).view(np.uint16).reshape(-1), k_cache.view(np.uint16).reshape(-1),
-               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale, out)
+               v_cache_t.view(np.uint16).reshape(-1), T, Hq, D, k_cache.shape[1], kv_of_head, start, scale,
+               window, out)
     return out
 
 
-def attention_ref(q, k_cache, v_cache_t, kv_of_head, start):
+def attention_ref(q, k_cache, v_cache_t, kv_of_head, start, scale=None, window=0):
     T, Hq, D = q.shape
     q16 = round_f16(q).astype(np.float64)
+    scale = 1 / np.sqrt(D) if scale is None else scale
     out = np.empty((T, Hq, D), np.float32)
     for t in range(T):
         n = start + t + 1
+        lo = max(0, n - window) if window else 0
         for h in range(Hq):
-            k = k_cache[kv_of_head[h], :n].astype(np.float64)
-            v = v_cache_t[kv_of_head[h], :, :n].astype(np.float64).T
-            s = (k @ q16[t, h]) / np.sqrt(D)
+            k = k_cache[kv_of_head[h], lo:n].astype(np.float64)
+            v = v_cache_t[kv_of_head[h], :, lo:n].astype(np.float64).T
+            s = (k @ q16[t, h]) * scale
             p = np.exp(s - s.max())
             p = round_f16((p / p.sum()).astype(np.float32)).astype(np.float64)
             out[t, h] = p @ v

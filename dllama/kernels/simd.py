@@ -172,14 +172,9 @@ dot_q4_1_q8_wide = _quant_row_dot("q4_1", wide=True)
 dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
 
 
-@intrinsic
-def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
-    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), in
-    the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the other operand is a single
-    vector (one token), products and sums in f32: four 8-lane accumulators over steps of 32
-    elements, summed (s0+s2)+(s1+s3), then t_k = s_k + s_k+4, then (t0+t1)+(t2+t3).
-    n must be a multiple of 32 (the caller adds any tail)."""
-    sig = types.float32(a, a_offset, b, b_offset, n)
+def _ggml_vec_dot(elem: ir.Type):
+    """The codegen of GGML's ggml_vec_dot_f16 / ggml_vec_dot_f32 order (see dot_f16_f16_vec)."""
+    size = 2 if elem is _F16 else 4
 
     def codegen(context, builder, signature, args):
         a_arr, a_off, b_arr, b_off, count = args
@@ -189,16 +184,19 @@ def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
         slots = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
         for slot in slots:
             builder.store(zero, slot)
+
+        def load(ptr, offset):
+            if elem is _F32:
+                return _load_at(builder, ptr, offset, _F32, _LANES)
+            return builder.fpext(builder.bitcast(_load_at(builder, ptr, offset, _I16, _LANES), _vec(_F16, _LANES)),
+                                 _vec(_F32, _LANES))
+
         n_steps = builder.sdiv(count, ir.Constant(count.type, 4 * _LANES))
         with cgutils.for_range(builder, n_steps) as loop:
-            base = builder.mul(loop.index, ir.Constant(_I64, 2 * 4 * _LANES))
+            base = builder.mul(loop.index, ir.Constant(_I64, size * 4 * _LANES))
             for j, slot in enumerate(slots):
-                offset = builder.add(base, ir.Constant(_I64, 2 * _LANES * j))
-                av = builder.fpext(builder.bitcast(_load_at(builder, a_ptr, offset, _I16, _LANES),
-                                                   _vec(_F16, _LANES)), _vec(_F32, _LANES))
-                bv = builder.fpext(builder.bitcast(_load_at(builder, b_ptr, offset, _I16, _LANES),
-                                                   _vec(_F16, _LANES)), _vec(_F32, _LANES))
-                builder.store(_fmuladd(builder, av, bv, builder.load(slot)), slot)
+                offset = builder.add(base, ir.Constant(_I64, size * _LANES * j))
+                builder.store(_fmuladd(builder, load(a_ptr, offset), load(b_ptr, offset), builder.load(slot)), slot)
         s0, s1, s2, s3 = (builder.load(slot) for slot in slots)
         x = builder.fadd(builder.fadd(s0, s2), builder.fadd(s1, s3))
         t = builder.fadd(builder.shuffle_vector(x, x, _const_vec(_I32, [0, 1, 2, 3])),
@@ -206,7 +204,24 @@ def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
         el = [builder.extract_element(t, ir.Constant(_I32, i)) for i in range(4)]
         return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
+    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), in
+    the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the other operand is a single
+    vector (one token), products and sums in f32: four 8-lane accumulators over steps of 32
+    elements, summed (s0+s2)+(s1+s3), then t_k = s_k + s_k+4, then (t0+t1)+(t2+t3).
+    n must be a multiple of 32 (the caller adds any tail)."""
+    return types.float32(a, a_offset, b, b_offset, n), _ggml_vec_dot(_F16)
+
+
+@intrinsic
+def dot_f32_f32_vec(typingctx, a, a_offset, b, b_offset, n):
+    """The same for two float32 vectors, in the order of GGML's ggml_vec_dot_f32 (the same
+    accumulators and reduction). n must be a multiple of 32."""
+    return types.float32(a, a_offset, b, b_offset, n), _ggml_vec_dot(_F32)
 
 
 @intrinsic

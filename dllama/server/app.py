@@ -29,7 +29,7 @@ from aiohttp import web
 
 from .. import __version__
 from ..cluster.node import rss_mb
-from ..errors import ContextOverflow, DllamaError
+from ..errors import ContextOverflow, DllamaError, ModelError
 from ..generate import Generation, Generator
 from ..sampling import SamplingParams
 from . import metrics as prom
@@ -172,8 +172,8 @@ class ServerState:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages", "no_chat_template")
         try:
             text = tokenizer.apply_chat_template(messages)
-        except Exception as e:  # jinja2's TemplateError, raise_exception() of the template itself
-            raise bad_request(f"The model's chat template rejected the messages: {e}", "messages") from None
+        except ModelError as e:  # the template refused them (roles out of order, ...)
+            raise bad_request(f"{str(e)[0].upper()}{str(e)[1:]}.", "messages") from None
         return self._checked(tokenizer.encode(text, add_bos=False, special=True), "messages")
 
     def completion_prompt(self, prompt) -> list[int]:
