@@ -25,6 +25,7 @@ _MOE_FFN = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "f
             "ffn_down_exps.weight")
 _DENSE_LAYER = _ATTENTION + _DENSE_FFN
 _ATTN_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+_FFN_BIASES = ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
 _QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")
 _POST_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 
@@ -57,9 +58,10 @@ _GEMMA3_KEYS = frozenset({"attention.sliding_window", "attention.sliding_window_
                           "final_logit_softcapping"})
 
 ARCHITECTURES = {a.name: a for a in (
-    # Llama 2/3, SmolLM, Mistral: optional attention biases (llama.cpp reads them for llama)
+    # Llama 2/3, SmolLM, Mistral: optional attention and FFN biases (llama.cpp reads them for llama)
     # and Llama 3.1's RoPE frequency factors (the other families' graphs in llama.cpp have none)
-    Architecture("llama", rope_neox=False, optional_layer_tensors=_ATTN_BIASES, optional_global_tensors=_LLAMA3_GLOBAL),
+    Architecture("llama", rope_neox=False, optional_layer_tensors=_ATTN_BIASES + _FFN_BIASES,
+                 optional_global_tensors=_LLAMA3_GLOBAL),
     Architecture("mistral", rope_neox=False, optional_global_tensors=_LLAMA3_GLOBAL),
     # Qwen2 / Qwen2.5: Q/K/V biases, NeoX RoPE
     Architecture("qwen2", rope_neox=True, optional_layer_tensors=_ATTN_BIASES[:3]),
@@ -197,12 +199,12 @@ def check_tensors(arch: Architecture, names, n_layers: int, path: str) -> None:
 
 
 # optional tensors that come as a group, and the config flag that says a model has them
-_FEATURES = {"attn_bias": _ATTN_BIASES[:3], "attn_out_bias": _ATTN_BIASES[3:], "qk_norm": _QK_NORMS,
-             "post_norms": _POST_NORMS}
+_FEATURES = {"attn_bias": _ATTN_BIASES[:3], "attn_out_bias": _ATTN_BIASES[3:], "ffn_bias": _FFN_BIASES[:2],
+             "ffn_down_bias": _FFN_BIASES[2:], "qk_norm": _QK_NORMS, "post_norms": _POST_NORMS}
 
 
 def layer_features(arch: Architecture, names, n_layers: int, path: str) -> dict[str, bool]:
-    """Which optional parts (ModelConfig's attn_bias, attn_out_bias, qk_norm, post_norms) the layers have: a
+    """Which optional parts (ModelConfig's flags of _FEATURES) the layers have: a
     group is in every layer or in none (anything else is refused rather than half applied)."""
     names = set(names)
     features = {}

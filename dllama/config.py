@@ -68,6 +68,8 @@ class ModelConfig:
     # what a layer has beyond a Llama layer (see architectures.py); the same in every layer
     attn_bias: bool = False  # Q/K/V biases
     attn_out_bias: bool = False  # attention output bias
+    ffn_bias: bool = False  # FFN gate and up biases
+    ffn_down_bias: bool = False  # FFN down bias
     qk_norm: bool = False  # per-head RMS norm of Q and K
     post_norms: bool = False  # RMS norms of the attention and FFN outputs before the residual adds (Gemma)
     activation: str = "silu"  # the FFN gate's: silu (SwiGLU) or gelu (GELU-tanh, GeGLU)

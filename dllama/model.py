@@ -41,6 +41,9 @@ class LayerWeights:
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
     bo: np.ndarray | None = None  # attention output bias, whole (added once the projection is whole)
+    b_gate: np.ndarray | None = None  # FFN biases: gate and up sliced with the hidden units, down whole
+    b_up: np.ndarray | None = None
+    b_down: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # per-head RMS norm scales of Q and K (head_dim each)
     k_norm: np.ndarray | None = None
     attn_post_norm: np.ndarray | None = None  # RMS norms of the whole attention / FFN output (Gemma)
@@ -89,6 +92,7 @@ class ShardWeights:
 _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
           "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
           "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.bias": "bo",
+          "ffn_gate.bias": "b_gate", "ffn_up.bias": "b_up", "ffn_down.bias": "b_down",
           "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
           "post_attention_norm": "attn_post_norm", "post_ffw_norm": "ffn_post_norm",
           "ffn_gate_inp": "router", "ffn_gate_exps": "w_gate", "ffn_up_exps": "w_up", "ffn_down_exps": "w_down"}
@@ -138,6 +142,11 @@ def shard_tensors(model: GGUFModel, shard: Shard,
         yield f"blk.{i}.ffn_gate{ffn}", gate.row_slice(f0, f1)
         yield f"blk.{i}.ffn_up{ffn}", up.row_slice(f0, f1)
         yield f"blk.{i}.ffn_down{ffn}", down.row_slice(*shard.rows) if by_rows else down.col_slice(f0, f1)
+        if model.config.ffn_bias:
+            yield f"blk.{i}.ffn_gate.bias", model.vector(f"blk.{i}.ffn_gate.bias")[f0:f1]
+            yield f"blk.{i}.ffn_up.bias", model.vector(f"blk.{i}.ffn_up.bias")[f0:f1]
+        if model.config.ffn_down_bias:
+            yield f"blk.{i}.ffn_down.bias", model.vector(f"blk.{i}.ffn_down.bias")
     yield "output_norm", model.vector("output_norm.weight")
     yield "output", model.matrix(model.lm_head_name).row_slice(*shard.vocab)
     freqs = model.rope_freq_factors()
@@ -165,6 +174,10 @@ def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce")
             f"blk.{i}.ffn_down{ffn}": n_exp + ((nrows, config.ffn_dim) if by_rows else (dim, nf))})
         if config.n_experts:
             shapes[f"blk.{i}.ffn_gate_inp"] = (config.n_experts, dim)
+        if config.ffn_bias:
+            shapes.update({f"blk.{i}.ffn_gate.bias": nf, f"blk.{i}.ffn_up.bias": nf})
+        if config.ffn_down_bias:
+            shapes[f"blk.{i}.ffn_down.bias"] = dim
         if config.post_norms:
             shapes.update({f"blk.{i}.post_attention_norm": dim, f"blk.{i}.post_ffw_norm": dim})
         if config.attn_bias:
@@ -257,11 +270,17 @@ class ShardModel:
             # feed-forward over this node's hidden units (of each expert, in a mixture of experts)
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
             if w.router is None:
-                a, down = gate(w.w_gate.matmul(h), w.w_up.matmul(h)), w.w_down
+                g, u = w.w_gate.matmul(h), w.w_up.matmul(h)
+                if w.b_gate is not None:  # some Llama GGUFs
+                    g += w.b_gate
+                    u += w.b_up
+                a, down = gate(g, u), w.w_down
             else:  # the router is whole on every node, so all nodes pick the same experts
                 routes = route(w.router.matmul(h), cfg.n_experts_used)
                 a, down = expert_activations(h, routes, w.w_gate, w.w_up), RoutedDown(w.w_down, routes)
             out = await project(down, a, "ffn", comm)  # sync point 2: W2 @ a, all hidden units
+            if w.b_down is not None:
+                out += w.b_down
             if w.ffn_post_norm is not None:  # Gemma
                 out = rmsnorm(out, w.ffn_post_norm, cfg.norm_eps)
             x += out

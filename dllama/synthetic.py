@@ -38,6 +38,7 @@ class SyntheticSpec:
     head_dim: int | None = None  # default dim / n_heads; Qwen3 has larger heads
     attn_bias: bool = False  # attn_q/k/v.bias (Qwen2 has them; Llama GGUFs may)
     attn_out_bias: bool = False  # attn_output.bias
+    ffn_bias: bool = False  # ffn_gate/up/down.bias (Llama GGUFs may have them)
     qk_norm: bool = False  # attn_q_norm / attn_k_norm (Qwen3, Gemma 3)
     post_norms: bool = False  # post_attention_norm / post_ffw_norm (Gemma 3)
     n_experts: int = 0  # a mixture of experts (qwen3moe): ffn_dim is each expert's hidden size
@@ -156,6 +157,10 @@ def _tensor_plan(spec: SyntheticSpec, vocab: int):
             yield f"blk.{i}.ffn_gate.weight", (spec.ffn_dim, spec.dim), True
             yield f"blk.{i}.ffn_up.weight", (spec.ffn_dim, spec.dim), True
             yield f"blk.{i}.ffn_down.weight", (spec.dim, spec.ffn_dim), True
+            if spec.ffn_bias:
+                yield f"blk.{i}.ffn_gate.bias", (spec.ffn_dim,), False
+                yield f"blk.{i}.ffn_up.bias", (spec.ffn_dim,), False
+                yield f"blk.{i}.ffn_down.bias", (spec.dim,), False
         if spec.post_norms:
             yield f"blk.{i}.post_ffw_norm.weight", (spec.dim,), False
     yield "output_norm.weight", (spec.dim,), False

@@ -30,7 +30,7 @@ SYNTHETIC_SPECS = {
                       rope_scaling=("yarn", 4.0, 32)),
     # other architectures, in the shapes of their real families (2 layers)
     "llama-bias": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q8_0", seed=11,
-                       attn_bias=True, attn_out_bias=True),
+                       attn_bias=True, attn_out_bias=True, ffn_bias=True),
     "qwen2": dict(arch="qwen2", dim=896, n_layers=2, n_heads=14, n_kv_heads=2, ffn_dim=4864, qtype="Q8_0",
                   rope_base=1e6, tied_embeddings=True, attn_bias=True, seed=12),  # Qwen2.5-0.5B
     "qwen3": dict(arch="qwen3", dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,

@@ -30,7 +30,8 @@ def _shapes(arch, features: dict[str, bool]) -> dict[str, tuple]:
              "attn_v.weight": (KV_HEADS * HEAD_DIM, DIM), "attn_output.weight": (DIM, HEADS * HEAD_DIM),
              "ffn_norm.weight": (DIM,), "ffn_gate.weight": (FFN, DIM), "ffn_up.weight": (FFN, DIM),
              "ffn_down.weight": (DIM, FFN), "attn_q.bias": (HEADS * HEAD_DIM,), "attn_k.bias": (KV_HEADS * HEAD_DIM,),
-             "attn_v.bias": (KV_HEADS * HEAD_DIM,), "attn_output.bias": (DIM,), "attn_q_norm.weight": (HEAD_DIM,),
+             "attn_v.bias": (KV_HEADS * HEAD_DIM,), "attn_output.bias": (DIM,), "ffn_gate.bias": (FFN,),
+             "ffn_up.bias": (FFN,), "ffn_down.bias": (DIM,), "attn_q_norm.weight": (HEAD_DIM,),
              "attn_k_norm.weight": (HEAD_DIM,), "post_attention_norm.weight": (DIM,), "post_ffw_norm.weight": (DIM,),
              "ffn_gate_inp.weight": (EXPERTS, DIM), "ffn_gate_exps.weight": (EXPERTS, FFN, DIM),
              "ffn_up_exps.weight": (EXPERTS, FFN, DIM), "ffn_down_exps.weight": (EXPERTS, DIM, FFN)}
@@ -81,16 +82,16 @@ def test_every_tensor_is_consumed_and_needed(tmp_path, arch, features):
     assert config.qk_norm == ("attn_q_norm.weight" in arch.layer_tensors)
     assert config.post_norms == ("post_ffw_norm.weight" in arch.layer_tensors)
     assert config.n_experts == (EXPERTS if arch.moe else 0)
-    for flag in ("attn_bias", "attn_out_bias"):
+    for flag in ("attn_bias", "attn_out_bias", "ffn_bias", "ffn_down_bias"):
         assert getattr(config, flag) == bool(features.get(flag)), flag
     for name in tensors:  # each one left out is named (in layer 1 it is still in layer 0: an optional one too)
         path = _write(tmp_path / "less.gguf", arch, {n: s for n, s in tensors.items() if n != name})
         with pytest.raises(ModelError, match=f"tensor {re.escape(name)} is missing"):
             GGUFModel(path)
-    # FFN biases, a layer too many, an output bias, a shared expert (Qwen2-MoE), another family's
-    # FFN kind or optional parts, RoPE factors where the family's graph has none
+    # a layer too many, an output bias, a shared expert (Qwen2-MoE), another family's FFN kind or
+    # optional parts (biases, norms), RoPE factors where the family's graph has none
     ffn_kinds = ["ffn_gate.weight", "ffn_gate_inp.weight", "ffn_down_exps.weight"]
-    for extra, shape in [("blk.0.ffn_up.bias", (FFN,)), ("blk.2.attn_norm.weight", (DIM,)), ("output.bias", (VOCAB,)),
+    for extra, shape in [("blk.2.attn_norm.weight", (DIM,)), ("output.bias", (VOCAB,)),
                          ("blk.0.attn_norm.bias", (DIM,)), ("blk.0.ffn_gate_shexp.weight", (FFN, DIM))] + \
             [(f"blk.0.{p}", (8,)) for group in _FEATURES.values() for p in group
              if p not in arch.layer_tensors and p not in arch.optional_layer_tensors] + \

@@ -127,7 +127,7 @@ def _synthetic_figures(path, llama_ref, tokenizer, n_tokens):
 # a missing feature shows at ~1e-3 and more (ignored YaRN: KL 2.4e-3, top-1 0.66).
 @pytest.mark.parametrize("name", [
     "Q8_0", "Q4_1", "F16",  # native formats
-    "llama-bias", "qwen2", "qwen3",  # Llama with attention biases, Qwen2 (Q/K/V biases, NeoX RoPE), Qwen3 (QK-norm)
+    "llama-bias", "qwen2", "qwen3",  # Llama with attention and FFN biases, Qwen2 (Q/K/V biases, NeoX RoPE), Qwen3
     "qwen3moe-top2", "qwen3moe-top8",  # Qwen3-MoE: router, top-k experts
     "gemma3", "gemma3-softcap",  # Gemma 3: post-norms, GELU, scaled embeddings, sliding window, soft-capping
     "rope-linear", "rope-yarn",  # RoPE scaling as llama.cpp reads it (ignored, they gave KL 60-80x its spread)
@@ -149,6 +149,7 @@ def test_synthetic_models(synthetic_model, llama_ref, tokenizer, name):
 # Each family feature, left out, moves the answer far outside llama.cpp's spread: the test above
 # would catch an engine that ignored it. (field, value as if the feature were ignored)
 FEATURES_IGNORED = {
+    "llama-bias": [("attn_bias", False), ("attn_out_bias", False), ("ffn_bias", False), ("ffn_down_bias", False)],
     "qwen3moe-top2": [("n_experts_used", 1)],  # top-1 instead of the file's top-2
     "qwen3moe-top8": [("n_experts_used", 2)],
     "gemma3": [("sliding_window", 0), ("swa_pattern", 0), ("rope_base_local", 1e6), ("embedding_scale", 1.0),

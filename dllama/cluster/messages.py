@@ -85,6 +85,8 @@ class WireConfig(_Message):
     tied_embeddings: bool
     attn_bias: bool = False  # optional layer parts (architectures.py)
     attn_out_bias: bool = False
+    ffn_bias: bool = False
+    ffn_down_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False
     activation: Literal["silu", "gelu"] = "silu"
