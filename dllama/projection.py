@@ -28,7 +28,8 @@ from .quant import QK, QType
 from .weights import Matrix
 
 SYNC_MODES = ("reduce", "gather")
-_Q8_MATMUL = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # weight formats whose matmul quantizes x to Q8
+# weight formats whose matmul quantizes x to Q8
+_Q8_MATMUL = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1)
 
 
 class Collectives(Protocol):

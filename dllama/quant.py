@@ -27,6 +27,8 @@ class QType(enum.IntEnum):
     Q4_0 = int(GGML.Q4_0)
     Q4_1 = int(GGML.Q4_1)
     Q8_0 = int(GGML.Q8_0)
+    Q5_0 = int(GGML.Q5_0)
+    Q5_1 = int(GGML.Q5_1)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,11 @@ FORMATS: dict[QType, Format] = {
     QType.Q4_0: Format(QType.Q4_0, 32, 18),  # f16 d, 16 bytes of nibbles: v = (q - 8) * d
     QType.Q4_1: Format(QType.Q4_1, 32, 20),  # f16 d, f16 m, 16 bytes of nibbles: v = q * d + m
     QType.Q8_0: Format(QType.Q8_0, 32, 34),  # f16 d, 32 int8: v = q * d
+    # f16 d, uint32 of fifth bits (bit j: value j), 16 bytes of nibbles: v = (q - 16) * d
+    QType.Q5_0: Format(QType.Q5_0, 32, 22),
+    QType.Q5_1: Format(QType.Q5_1, 32, 24),  # f16 d, f16 m, uint32 of fifth bits, nibbles: v = q * d + m
 }
+_QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8}  # where the nibbles start
 
 QK = 32  # block size of every quantized native format
 
@@ -92,11 +98,14 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.float32)
         return (q * d).reshape(data.shape[0], -1)
-    qs_start = 2 if qtype == QType.Q4_0 else 4
+    qs_start = _QS_START[qtype]
     qs = blocks[..., qs_start:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles first
-    if qtype == QType.Q4_0:
-        out = (q - 8.0) * d
+    if qtype in (QType.Q5_0, QType.Q5_1):
+        qh = blocks[..., qs_start - 4:qs_start].copy().view(np.uint32)
+        q += 16 * ((qh >> np.arange(32, dtype=np.uint32)) & 1)
+    if qtype in (QType.Q4_0, QType.Q5_0):
+        out = (q - (8.0 if qtype == QType.Q4_0 else 16.0)) * d
     else:
         out = q * d + _f16(blocks, 2)[..., None]
     return out.reshape(data.shape[0], -1)
@@ -125,23 +134,29 @@ def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
         q = np.round(xb * inv[..., None]).astype(np.int8)  # rint: GGML's SIMD paths round half to even
         head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
         return np.concatenate([head, q.view(np.uint8)], axis=-1).reshape(rows, -1)
-    if qtype == QType.Q4_0:
-        # GGML picks the signed extreme so that it maps to -8 exactly.
+    levels = 16 if qtype in (QType.Q4_0, QType.Q4_1) else 32
+    if qtype in (QType.Q4_0, QType.Q5_0):
+        # GGML picks the signed extreme so that it maps to the lowest level exactly.
         idx = np.abs(xb).argmax(axis=-1)
         vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
-        d = vmax / -8.0
+        d = vmax / np.float32(-levels / 2)
         inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-        q = np.minimum(15, (xb * inv[..., None] + 8.5).astype(np.int32)).astype(np.uint8)
+        q = np.minimum(levels - 1, (xb * inv[..., None] + np.float32(levels / 2 + 0.5)).astype(np.int32))
         head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    else:  # Q4_1
+    else:  # Q4_1, Q5_1
         vmin = xb.min(axis=-1)
         vmax = xb.max(axis=-1)
-        d = (vmax - vmin) / 15.0
+        d = (vmax - vmin) / np.float32(levels - 1)
         inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-        q = np.minimum(15, ((xb - vmin[..., None]) * inv[..., None] + 0.5).astype(np.int32)).astype(np.uint8)
+        q = np.minimum(levels - 1, ((xb - vmin[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32))
         head = np.concatenate(
             [d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
              vmin.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    q = q.astype(np.uint8)
+    if levels == 32:  # the fifth bits, value j at bit j
+        fifth = ((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+        head = np.concatenate([head, fifth[..., None].view(np.uint8)], axis=-1)
+        q &= 0x0F
     packed = q[..., :16] | (q[..., 16:] << 4)
     return np.concatenate([head, packed], axis=-1).reshape(rows, -1)
 

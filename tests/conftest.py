@@ -88,6 +88,29 @@ def synthetic_model(tmp_path_factory, model_path):
     return get
 
 
+@pytest.fixture(scope="session")
+def requantized_model(tmp_path_factory, model_path):
+    """requantized_model(ftype) -> the default model re-quantized by llama.cpp's own quantizer
+    (llama_model_quantize) to llama_cpp.LLAMA_FTYPE_MOSTLY_<ftype>, on first use."""
+    import llama_cpp
+
+    folder = tmp_path_factory.mktemp("requantized")
+    paths: dict[str, str] = {}
+
+    def get(ftype: str) -> str:
+        if ftype not in paths:
+            path = str(folder / f"smollm2-{ftype}.gguf")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+            params.allow_requantize = True
+            params.nthread = 1
+            rc = llama_cpp.llama_model_quantize(model_path.encode(), path.encode(), params)
+            assert rc == 0, f"llama_model_quantize to {ftype} failed ({rc})"
+            paths[ftype] = path
+        return paths[ftype]
+
+    return get
+
 
 _SUITE_REPORT: list[str] = []
 

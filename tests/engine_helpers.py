@@ -18,9 +18,10 @@ SYNTHETIC_SPECS = {
     "Q8_0": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256, qtype="Q8_0", tied_embeddings=True, seed=1),
     "Q4_1": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q4_1", tied_embeddings=False, seed=2),
     "F16": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=288, qtype="F16", tied_embeddings=False, seed=3),
-    # Q4_0: llama.cpp repacks it (another summation order); Q5_0 and BF16 are converted on load
-    "Q4_0": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, qtype="Q4_0", tied_embeddings=False, seed=4),
     "Q5_0": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q5_0", tied_embeddings=False, seed=5),
+    "Q5_1": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="Q5_1", tied_embeddings=True, seed=7),
+    # Q4_0: llama.cpp repacks it (another summation order); BF16 is converted on load
+    "Q4_0": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, qtype="Q4_0", tied_embeddings=False, seed=4),
     "BF16": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="BF16", tied_embeddings=True, seed=6),
     # RoPE scaling as Llama-family GGUFs declare it (llama.cpp applies it; a context of 32 so
     # that YaRN's ramp falls inside the 16 rotated pairs)
@@ -50,6 +51,8 @@ SYNTHETIC_SPECS = {
     "gemma3-softcap": dict(arch="gemma3", dim=256, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=64, ffn_dim=512,
                            qtype="Q8_0", qk_norm=True, post_norms=True, sliding_window=32, swa_pattern=2,
                            logit_softcap=1.0, seed=18),  # a cap near these logits' spread, as 30 is to Gemma 2's
+    "qwen3moe-tiny": dict(arch="qwen3moe", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=64,
+                          n_experts=8, n_experts_used=2, qtype="Q8_0", qk_norm=True, seed=19),
     "qwen3-tiny": dict(arch="qwen3", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                        qtype="Q8_0", qk_norm=True, seed=14),
     # the big shapes, 2 layers: dim 2048, 32 heads / 8 KV heads, FFN 8192, Q4_0, untied LM head

@@ -126,7 +126,7 @@ def _synthetic_figures(path, llama_ref, tokenizer, n_tokens):
 # The floor of the KL bound: on 96 tokens of a 2-layer model llama.cpp's two paths may agree exactly;
 # a missing feature shows at ~1e-3 and more (ignored YaRN: KL 2.4e-3, top-1 0.66).
 @pytest.mark.parametrize("name", [
-    "Q8_0", "Q4_1", "F16",  # native formats
+    "Q8_0", "Q4_1", "F16", "Q5_0", "Q5_1",  # native formats
     "llama-bias", "qwen2", "qwen3",  # Llama with attention and FFN biases, Qwen2 (Q/K/V biases, NeoX RoPE), Qwen3
     "qwen3moe-top2", "qwen3moe-top8",  # Qwen3-MoE: router, top-k experts
     "gemma3", "gemma3-softcap",  # Gemma 3: post-norms, GELU, scaled embeddings, sliding window, soft-capping
@@ -190,9 +190,29 @@ def test_each_family_feature_changes_the_answer(synthetic_model, llama_ref, toke
         assert figures["kl"] > 10 * max(SPREAD_FACTOR * own_kl, 1e-4), (field, figures)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "BF16"])
+@pytest.mark.parametrize("ftype", ["Q5_0", "Q5_1"])
+def test_default_model_requantized_by_llama_cpp_runs_native(requantized_model, llama_ref, tokenizer, ftype):
+    """SmolLM2 re-quantized by llama.cpp's quantizer: every weight used in its own format (no
+    conversion: the weights in RAM are the file's bytes), the logits within llama.cpp's spread."""
+    path = requantized_model(ftype)
+    model = GGUFModel(path)
+    engine = LocalEngine(model, 256)
+    assert not model._converted, f"converted on load: {sorted(model._converted)}"
+    assert engine.model.weights.nbytes <= 1.05 * model.file_size
+    del engine
+    n = 128
+    ref, ours, figures = _synthetic_figures(path, llama_ref, tokenizer, n)
+    print(f"\nSmolLM2 {ftype}: {figures}")
+    own_misses = round((1 - figures["llama_cpp_own_top1"]) * n)
+    assert round((1 - figures["top1"]) * n) <= SPREAD_FACTOR * own_misses + 1, figures
+    assert figures["kl"] <= max(SPREAD_FACTOR * figures["llama_cpp_own_kl"], 1e-4), figures
+    if bit_exact_expected():
+        np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "BF16"])
 def test_synthetic_other_formats_close(synthetic_model, llama_ref, tokenizer, name):
-    """Q4_0: llama.cpp repacks it and sums in another order; Q5_0 -> Q8_0 and BF16 -> F16 on load."""
+    """Q4_0: llama.cpp repacks it and sums in another order; BF16 -> F16 on load."""
     _, _, figures = _synthetic_figures(synthetic_model(name), llama_ref, tokenizer, 96)
     print(f"\nsynthetic {name}: {figures}")
     assert figures["kl"] <= 0.02 and figures["top1"] >= 0.90, figures

@@ -269,7 +269,7 @@ def _tiny_tensors(extra=(), replace=None):
 
 
 @pytest.mark.parametrize("name, shape", [
-    ("blk.0.ffn_up.bias", (128,)), ("blk.0.ffn_norm.bias", (64,)),
+    ("blk.0.post_ffw_norm.weight", (64,)), ("blk.0.ffn_norm.bias", (64,)),
     ("blk.0.attn_q_norm.weight", (16,)), ("blk.1.attn_norm.weight", (64,)), ("cls.weight", (2, 64)),
 ])
 def test_a_tensor_the_model_would_not_use_is_refused(tmp_path, name, shape):
@@ -277,6 +277,14 @@ def test_a_tensor_the_model_would_not_use_is_refused(tmp_path, name, shape):
     path = tmp_path / "m.gguf"
     _close(_writer(path), _tiny_tensors([(name, shape)]))
     with pytest.raises(ModelError, match=f"tensor {re.escape(name)} is not used by the llama architecture"):
+        GGUFModel(path)
+
+
+def test_half_a_bias_group_is_refused(tmp_path):
+    """An up bias without its gate bias would be half applied: refused, naming the missing one."""
+    path = tmp_path / "m.gguf"
+    _close(_writer(path), _tiny_tensors([("blk.0.ffn_up.bias", (128,))]))
+    with pytest.raises(ModelError, match="tensor blk.0.ffn_gate.bias is missing"):
         GGUFModel(path)
 
 
@@ -359,13 +367,16 @@ def test_f64_tensors_load_as_f32(tmp_path):
     assert np.array_equal(model.vector("output_norm.weight"), values[0].astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["Q5_0", "BF16"])
-def test_non_native_tensors_are_converted(synthetic_model, name):
-    path = synthetic_model(name)
+@pytest.mark.parametrize("name", ["Q6_K", "BF16"])
+def test_non_native_tensors_are_converted(synthetic_model, requantized_model, name):
+    """A format without a kernel here is converted on load: BF16 (a synthetic model) to F16, Q6_K
+    (the default model re-quantized by llama.cpp: its FFN down projections) to Q8_0."""
+    path = requantized_model(name) if name == "Q6_K" else synthetic_model(name)
     model = GGUFModel(path)
     f = model.file
-    target = {"Q5_0": QType.Q8_0, "BF16": QType.F16}[name]
-    for tensor in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+    target = {"Q6_K": QType.Q8_0, "BF16": QType.F16}[name]
+    for tensor in ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"):
+        assert f.tensors[tensor].ggml_type == GGML[name]
         m = model.matrix(tensor)
         assert m.qtype == target
         source = gguf_quants.dequantize(f.data(tensor), GGML[name])
@@ -377,9 +388,11 @@ def test_non_native_tensors_are_converted(synthetic_model, name):
             amax = np.abs(source.reshape(m.rows, -1, 32)).max(-1, keepdims=True)
             err = np.abs(ours - source).reshape(m.rows, -1, 32)
             assert (err <= amax / 127 * 0.5 + amax * 2.0 ** -11).all()
-    cfg, spec = model.config, SYNTHETIC_SPECS[name]
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tied_embeddings) == (
-        spec["dim"], spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["ffn_dim"], spec["tied_embeddings"])
+    if name in SYNTHETIC_SPECS:
+        cfg, spec = model.config, SYNTHETIC_SPECS[name]
+        assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tied_embeddings) == (
+            spec["dim"], spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["ffn_dim"],
+            spec["tied_embeddings"])
 
 
 def test_synthetic_big_model_config(synthetic_model):

@@ -15,7 +15,7 @@ from dllama.kernels.ops import (attention, attention_ref, expf, gelu_mul, gelu_m
 from dllama.quant import QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.F16, QType.F32]
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -76,7 +76,7 @@ def test_matmul_on_column_slices(qtype):
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_matmul_reference_is_the_dequantized_product(qtype):
-    """matmul_ref against dequantize(W) @ dequantize(Q8(x)) in float64 (Q4_1 reads the f16-rounded
+    """matmul_ref against dequantize(W) @ dequantize(Q8(x)) in float64 (Q4_1, Q5_1 read the f16-rounded
     d*sum(q) of each activation block, as GGML's block_q8_1 does; that rounding is the slack)."""
     rows, cols = 33, 256
     w = weight_matrix(qtype, rows, cols, seed=3)
@@ -90,7 +90,7 @@ def test_matmul_reference_is_the_dequantized_product(qtype):
     else:
         a = Q8Activations.quantize_ref(x)
         xf = (a.q.reshape(4, -1, QK) * a.d[..., None].astype(np.float64)).reshape(4, cols)
-    tol = 2e-3 if qtype == QType.Q4_1 else 1e-6
+    tol = 2e-3 if qtype in (QType.Q4_1, QType.Q5_1) else 1e-6
     assert rel_err(ref, xf @ wf.T) <= tol
     # and the float product, unquantized activations: quantizing x costs ~1% at most
     assert rel_err(ref, x.astype(np.float64) @ wf.T) <= 0.02

@@ -16,9 +16,9 @@ import os
 import numpy as np
 from numba import njit, prange
 
-from ..quant import FORMATS, QK, QType
+from ..quant import FORMATS, QK, QType, dequantize
 from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide,
-                   dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
+                   dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
@@ -90,7 +90,7 @@ class Q8Activations:
 # out[t, r] = dot(row r of w, activation t). prange over rows: the weights are the big operand,
 # and each row is read once for all T tokens.
 
-_Q4_0, _Q4_1, _Q8_0 = 0, 1, 2
+_Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1 = 0, 1, 2, 3, 4
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -103,6 +103,10 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
                 out[t, r] = dot_q4_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_1_q8(w, r, xq, xd, xds, t)
             elif fmt == _Q4_0:
                 out[t, r] = dot_q4_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_0_q8(w, r, xq, xd, xds, t)
+            elif fmt == _Q5_0:
+                out[t, r] = dot_q5_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_0_q8(w, r, xq, xd, xds, t)
+            elif fmt == _Q5_1:
+                out[t, r] = dot_q5_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_1_q8(w, r, xq, xd, xds, t)
             else:
                 out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
 
@@ -172,7 +176,7 @@ def _mm_f16_wide(w, x16, tbl, out):
             out[t, r] = acc
 
 
-_QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0}
+_QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1}
 
 
 class Activations:
@@ -267,16 +271,18 @@ def matmul_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     if qtype == QType.Q8_0:
         wq = blocks[..., 2:].view(np.int8).astype(np.int64)
-    else:
-        packed = blocks[..., 2:] if qtype == QType.Q4_0 else blocks[..., 4:]
-        wq = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int64)
-        if qtype == QType.Q4_0:
-            wq -= 8
+    else:  # the integer quants: the dequantized values over d, less the min (Q4_1, Q5_1) met below
+        m = {QType.Q4_1: 2, QType.Q5_1: 2}.get(qtype)
+        unit = blocks.copy()
+        unit[..., 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+        if m is not None:
+            unit[..., m:m + 2] = 0
+        wq = np.rint(dequantize(unit.reshape(w.shape), qtype)).astype(np.int64).reshape(w.shape[0], -1, QK)
     a = Q8Activations.quantize_ref(x)
     xq = a.q.reshape(x.shape[0], -1, QK).astype(np.int64)
     isum = np.einsum("rbj,tbj->trb", wq, xq)
     out = (isum * d[None] * a.d[:, None, :].astype(np.float64)).sum(-1)
-    if qtype == QType.Q4_1:
+    if qtype in (QType.Q4_1, QType.Q5_1):
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         out += (m[None] * a.ds[:, None, :].astype(np.float64)).sum(-1)
     return out.astype(np.float32)

@@ -91,8 +91,10 @@ def _quad_dot(builder, w_i8, x_i8, w_unsigned: bool):
     return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
 
-# Byte layout of each native block format: (bytes per block, offset of the quants)
-_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2)}
+# Byte layout of each native block format: (bytes per block, offset of the quants); Q5's fifth
+# bits (one uint32 per block) sit just before the quants
+_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2), "q5_0": (22, 6), "q5_1": (24, 8)}
+_WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 
 
 def _row_ptr(context, builder, array_type, array, row):
@@ -141,20 +143,28 @@ def _quant_row_dot(fmt: str, wide: bool = False):
                     low = builder.and_(packed, _const_vec(_I8, [15] * 16))
                     high = builder.lshr(packed, _const_vec(_I8, [4] * 16))
                     quants = builder.shuffle_vector(low, high, _const_vec(_I32, range(32)))  # value order
-                    if fmt == "q4_0":
-                        quants = builder.sub(quants, _const_vec(_I8, [8] * 32))
+                    if fmt in ("q5_0", "q5_1"):  # bit j of the block's uint32 is value j's fifth bit
+                        qh = _load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, qs_offset - 4)), _I32)
+                        bits = builder.and_(builder.lshr(_splat(builder, qh, 32), _const_vec(_I32, range(32))),
+                                            _const_vec(_I32, [1] * 32))
+                        fifth = builder.shl(builder.trunc(bits, _vec(_I8, 32)), _const_vec(_I8, [4] * 32))
+                        quants = builder.or_(quants, fifth)
+                    if fmt in ("q4_0", "q5_0"):
+                        offset = 8 if fmt == "q4_0" else 16
+                        quants = builder.sub(quants, _const_vec(_I8, [offset] * 32))
                 xq = _load_at(builder, xq_ptr, builder.mul(b, ir.Constant(_I64, 32)), _I8, 32)
-                quads = builder.sitofp(_quad_dot(builder, quants, xq, w_unsigned=fmt == "q4_1"), _vec(acc_t, _LANES))
+                quads = builder.sitofp(_quad_dot(builder, quants, xq, w_unsigned=fmt in _WITH_MIN),
+                                       _vec(acc_t, _LANES))
                 scale = builder.fmul(d_w, d_x)  # exact: two f16 significands fit in f32
                 scale = _splat(builder, builder.fpext(scale, _F64) if wide else scale, _LANES)
                 builder.store(_fmuladd(builder, scale, quads, builder.load(acc_slot)), acc_slot)
-                if fmt == "q4_1":
+                if fmt in _WITH_MIN:
                     m_w = builder.fpext(_load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, 2)), _F16), acc_t)
                     ds_x = builder.load(builder.gep(xds_ptr, [b]))
                     ds_x = builder.fpext(ds_x, _F64) if wide else ds_x
                     builder.store(_fmuladd(builder, m_w, ds_x, builder.load(summs_slot)), summs_slot)
             total = _hsum8(builder, builder.load(acc_slot))
-            if fmt == "q4_1":
+            if fmt in _WITH_MIN:
                 total = builder.fadd(total, builder.load(summs_slot))
             return total
 
@@ -167,7 +177,11 @@ def _quant_row_dot(fmt: str, wide: bool = False):
 dot_q4_0_q8 = _quant_row_dot("q4_0")
 dot_q4_1_q8 = _quant_row_dot("q4_1")
 dot_q8_0_q8 = _quant_row_dot("q8_0")
+dot_q5_0_q8 = _quant_row_dot("q5_0")
+dot_q5_1_q8 = _quant_row_dot("q5_1")
 dot_q4_0_q8_wide = _quant_row_dot("q4_0", wide=True)
+dot_q5_0_q8_wide = _quant_row_dot("q5_0", wide=True)
+dot_q5_1_q8_wide = _quant_row_dot("q5_1", wide=True)
 dot_q4_1_q8_wide = _quant_row_dot("q4_1", wide=True)
 dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
 
