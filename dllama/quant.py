@@ -29,6 +29,7 @@ class QType(enum.IntEnum):
     Q8_0 = int(GGML.Q8_0)
     Q5_0 = int(GGML.Q5_0)
     Q5_1 = int(GGML.Q5_1)
+    IQ4_NL = int(GGML.IQ4_NL)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ FORMATS: dict[QType, Format] = {
     # f16 d, uint32 of fifth bits (bit j: value j), 16 bytes of nibbles: v = (q - 16) * d
     QType.Q5_0: Format(QType.Q5_0, 32, 22),
     QType.Q5_1: Format(QType.Q5_1, 32, 24),  # f16 d, f16 m, uint32 of fifth bits, nibbles: v = q * d + m
+    QType.IQ4_NL: Format(QType.IQ4_NL, 32, 18),  # f16 d, 16 bytes of nibbles: v = IQ4_NL_VALUES[q] * d
 }
-_QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8}  # where the nibbles start
+# IQ4_NL's 16 levels (GGML's kvalues_iq4nl): denser near 0, where most weights are
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+_QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.IQ4_NL: 2}  # where the nibbles start
 
 QK = 32  # block size of every quantized native format
 
@@ -104,7 +108,9 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype in (QType.Q5_0, QType.Q5_1):
         qh = blocks[..., qs_start - 4:qs_start].copy().view(np.uint32)
         q += 16 * ((qh >> np.arange(32, dtype=np.uint32)) & 1)
-    if qtype in (QType.Q4_0, QType.Q5_0):
+    if qtype == QType.IQ4_NL:
+        out = IQ4_NL_VALUES[q.astype(np.intp)] * d
+    elif qtype in (QType.Q4_0, QType.Q5_0):
         out = (q - (8.0 if qtype == QType.Q4_0 else 16.0)) * d
     else:
         out = q * d + _f16(blocks, 2)[..., None]
@@ -134,8 +140,11 @@ def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
         q = np.round(xb * inv[..., None]).astype(np.int8)  # rint: GGML's SIMD paths round half to even
         head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
         return np.concatenate([head, q.view(np.uint8)], axis=-1).reshape(rows, -1)
-    levels = 16 if qtype in (QType.Q4_0, QType.Q4_1) else 32
-    if qtype in (QType.Q4_0, QType.Q5_0):
+    levels = 16 if qtype in (QType.Q4_0, QType.Q4_1, QType.IQ4_NL) else 32
+    if qtype == QType.IQ4_NL:
+        d, q = _iq4_nl_blocks(xb)
+        head = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    elif qtype in (QType.Q4_0, QType.Q5_0):
         # GGML picks the signed extreme so that it maps to the lowest level exactly.
         idx = np.abs(xb).argmax(axis=-1)
         vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
@@ -159,6 +168,44 @@ def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
         q &= 0x0F
     packed = q[..., :16] | (q[..., 16:] << 4)
     return np.concatenate([head, packed], axis=-1).reshape(rows, -1)
+
+
+def _iq4_nl_index(x: np.ndarray) -> np.ndarray:
+    """The nearest IQ4_NL level of each x (in units of the block scale), ties as GGML breaks them."""
+    v = IQ4_NL_VALUES
+    upper = np.clip(np.searchsorted(v, x, side="right"), 1, len(v) - 1)
+    index = np.where(x - v[upper - 1] < v[upper] - x, upper - 1, upper)
+    return np.where(x <= v[0], 0, np.where(x >= v[-1], len(v) - 1, index))
+
+
+def _iq4_nl_blocks(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale d, level indices) of every 32-block, as llama.cpp's quantize_iq4_nl without an
+    importance matrix: each value weighted by its square, the scale that best fits the levels
+    among the extreme's 15 neighbouring candidates (least squares for each)."""
+    v = IQ4_NL_VALUES
+    w = xb * xb
+    extreme = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)  # signed, first max
+    with np.errstate(divide="ignore", invalid="ignore"):
+        def fit(inverse_scale):  # sums in value order, in float32, as GGML's loop (not pairwise)
+            q = v[_iq4_nl_index(xb * inverse_scale)]
+            sumqx, sumq2 = np.zeros(xb.shape[:-1], np.float32), np.zeros(xb.shape[:-1], np.float32)
+            for j in range(xb.shape[-1]):
+                wq = w[..., j] * q[..., j]
+                sumqx += wq * xb[..., j]
+                sumq2 += wq * q[..., j]
+            return sumqx, sumq2
+
+        sumqx, sumq2 = fit(np.float32(1.0) / (extreme / -v[0]))
+        d = np.where(sumq2 > 0, sumqx / sumq2, 0).astype(np.float32)
+        best = d * sumqx
+        for step in range(-7, 8):
+            sumqx, sumq2 = fit((step + v[0]) / extreme)
+            better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+            d = np.where(better, sumqx / sumq2, d).astype(np.float32)
+            best = np.where(better, d * sumqx, best)
+        d = np.where(np.abs(extreme[..., 0]) < 1e-15, np.float32(0), d)
+        inverse = np.where(d != 0, np.float32(1.0) / d, np.float32(0))
+    return d, _iq4_nl_index(xb * inverse[..., None]).astype(np.uint8)
 
 
 def nbytes(qtype: QType, rows: int, cols: int) -> int:

@@ -90,24 +90,27 @@ def synthetic_model(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="session")
 def requantized_model(tmp_path_factory, model_path):
-    """requantized_model(ftype) -> the default model re-quantized by llama.cpp's own quantizer
-    (llama_model_quantize) to llama_cpp.LLAMA_FTYPE_MOSTLY_<ftype>, on first use."""
+    """requantized_model(ftype, pure=False) -> the default model re-quantized by llama.cpp's own
+    quantizer (llama_model_quantize) to llama_cpp.LLAMA_FTYPE_MOSTLY_<ftype>, on first use. pure:
+    every tensor in that type (llama-quantize --pure), not its usual mix (which gives some
+    tensors more bits, in K-quants)."""
     import llama_cpp
 
     folder = tmp_path_factory.mktemp("requantized")
     paths: dict[str, str] = {}
 
-    def get(ftype: str) -> str:
-        if ftype not in paths:
-            path = str(folder / f"smollm2-{ftype}.gguf")
+    def get(ftype: str, pure: bool = False) -> str:
+        if (ftype, pure) not in paths:
+            path = str(folder / f"smollm2-{ftype}{'-pure' if pure else ''}.gguf")
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
             params.allow_requantize = True
+            params.pure = pure
             params.nthread = 1
             rc = llama_cpp.llama_model_quantize(model_path.encode(), path.encode(), params)
             assert rc == 0, f"llama_model_quantize to {ftype} failed ({rc})"
-            paths[ftype] = path
-        return paths[ftype]
+            paths[ftype, pure] = path
+        return paths[ftype, pure]
 
     return get
 

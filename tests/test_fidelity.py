@@ -190,11 +190,13 @@ def test_each_family_feature_changes_the_answer(synthetic_model, llama_ref, toke
         assert figures["kl"] > 10 * max(SPREAD_FACTOR * own_kl, 1e-4), (field, figures)
 
 
-@pytest.mark.parametrize("ftype", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("ftype", ["Q5_0", "Q5_1", "IQ4_NL"])
 def test_default_model_requantized_by_llama_cpp_runs_native(requantized_model, llama_ref, tokenizer, ftype):
     """SmolLM2 re-quantized by llama.cpp's quantizer: every weight used in its own format (no
-    conversion: the weights in RAM are the file's bytes), the logits within llama.cpp's spread."""
-    path = requantized_model(ftype)
+    conversion: the weights in RAM are the file's bytes), the logits within llama.cpp's spread
+    (bit for bit where it takes our path; it repacks IQ4_NL for its own kernels, like Q4_0).
+    IQ4_NL --pure: llama.cpp's usual IQ4_NL mix puts a few FFN down projections in Q5_K."""
+    path = requantized_model(ftype, pure=ftype == "IQ4_NL")
     model = GGUFModel(path)
     engine = LocalEngine(model, 256)
     assert not model._converted, f"converted on load: {sorted(model._converted)}"
@@ -206,7 +208,7 @@ def test_default_model_requantized_by_llama_cpp_runs_native(requantized_model, l
     own_misses = round((1 - figures["llama_cpp_own_top1"]) * n)
     assert round((1 - figures["top1"]) * n) <= SPREAD_FACTOR * own_misses + 1, figures
     assert figures["kl"] <= max(SPREAD_FACTOR * figures["llama_cpp_own_kl"], 1e-4), figures
-    if bit_exact_expected():
+    if bit_exact_expected() and ftype != "IQ4_NL":
         np.testing.assert_array_equal(ours, ref)
 
 

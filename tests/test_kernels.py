@@ -15,7 +15,7 @@ from dllama.kernels.ops import (attention, attention_ref, expf, gelu_mul, gelu_m
 from dllama.quant import QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.F16, QType.F32]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.F16, QType.F32]
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:

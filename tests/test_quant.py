@@ -1,5 +1,6 @@
 """Weight formats: our reference quantizer/dequantizer against gguf-py's (the formats' reference
-implementation in Python), and the choice of native format for non-native GGUF types."""
+implementation in Python) and llama.cpp's own quantizer, and the choice of native format for
+non-native GGUF types."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from gguf import quants as gguf_quants
 
 from dllama.quant import FORMATS, QK, QType, dequantize, nbytes, quantize, requant_target
 
-NATIVE = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32]
-BLOCK = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+BLOCK = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL]
+NATIVE = BLOCK + [QType.F16, QType.F32]
+UNIFORM = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1]  # evenly spaced levels
 
 
 def weights(rows=48, cols=256, seed=0) -> np.ndarray:
@@ -30,8 +32,8 @@ def weights(rows=48, cols=256, seed=0) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("qtype", NATIVE, ids=lambda q: q.name)
-def test_quantize_is_byte_identical_to_gguf_py(qtype):
+@pytest.mark.parametrize("qtype", UNIFORM + [QType.F16, QType.F32], ids=lambda q: q.name)
+def test_quantize_is_byte_identical_to_gguf_py(qtype):  # (gguf-py has no IQ4_NL quantizer)
     x = weights()
     ours = quantize(x, qtype)
     theirs = gguf_quants.quantize(x, GGML(int(qtype)))
@@ -41,17 +43,44 @@ def test_quantize_is_byte_identical_to_gguf_py(qtype):
     assert ours.nbytes == nbytes(qtype, *x.shape)
 
 
+@pytest.mark.parametrize("qtype", BLOCK, ids=lambda q: q.name)
+def test_quantize_is_byte_identical_to_llama_cpp(qtype):
+    """Against GGML's own quantizer (ggml_quantize_chunk in the llama-cpp-python build, as
+    llama-quantize calls it, without an importance matrix)."""
+    import ctypes
+    import glob
+    import os
+
+    import llama_cpp
+
+    libs = glob.glob(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so*"))
+    if not libs:
+        pytest.skip("no libggml-base in this llama-cpp-python build")
+    quantize_chunk = ctypes.CDLL(libs[0]).ggml_quantize_chunk
+    quantize_chunk.restype = ctypes.c_size_t
+    quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_void_p]
+    x = np.ascontiguousarray(weights())
+    ours = quantize(x, qtype)
+    theirs = np.zeros_like(ours)
+    assert quantize_chunk(int(qtype), x.ctypes.data, theirs.ctypes.data, 0, x.shape[0], x.shape[1], None) == ours.nbytes
+    if qtype == QType.Q8_0:  # GGML's scalar Q8_0 rounds half away from zero, ours half to even (its SIMD)
+        assert (ours != theirs).mean() < 1e-3
+    else:
+        assert ours.tobytes() == theirs.tobytes()
+
+
 @pytest.mark.parametrize("qtype", NATIVE, ids=lambda q: q.name)
 def test_dequantize_equals_gguf_py(qtype):
     rng = np.random.default_rng(1)
     x = weights(seed=2)
-    data = gguf_quants.quantize(x, GGML(int(qtype)))
+    data = quantize(x, qtype)
     if qtype in BLOCK:  # also arbitrary bytes: every bit pattern of the quants and (finite) scales
         raw = rng.integers(0, 256, size=data.shape, dtype=np.uint8)
         blocks = raw.reshape(raw.shape[0], -1, FORMATS[qtype].block_bytes)
         scales = rng.standard_normal(blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
         blocks[..., 0:2] = scales[..., 0:2]
-        if qtype == QType.Q4_1:
+        if qtype in (QType.Q4_1, QType.Q5_1):
             blocks[..., 2:4] = rng.standard_normal(blocks.shape[:2]).astype(np.float16).view(np.uint8).reshape(
                 blocks.shape[:2] + (2,))
         data = np.concatenate([data, raw])
@@ -61,28 +90,28 @@ def test_dequantize_equals_gguf_py(qtype):
     np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("qtype", BLOCK, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", UNIFORM, ids=lambda q: q.name)
 def test_round_trip_error_is_within_half_a_step(qtype):
     x = weights(seed=3)
     y = dequantize(quantize(x, qtype), qtype)
     blocks = x.reshape(x.shape[0], -1, QK)
-    if qtype == QType.Q4_1:
-        step = (blocks.max(-1) - blocks.min(-1)) / 15
-    elif qtype == QType.Q4_0:
-        step = np.abs(blocks).max(-1) / 8
+    if qtype in (QType.Q4_1, QType.Q5_1):
+        step = (blocks.max(-1) - blocks.min(-1)) / (15 if qtype == QType.Q4_1 else 31)
+    elif qtype in (QType.Q4_0, QType.Q5_0):
+        step = np.abs(blocks).max(-1) / (8 if qtype == QType.Q4_0 else 16)
     else:
         step = np.abs(blocks).max(-1) / 127
     err = np.abs(y - x).reshape(blocks.shape).max(-1)
     # half a step, plus the f16 rounding of the scale (and of Q4_1's minimum), which moves every level.
     # Q4_0's levels run from -8d to 7d with the signed extreme at -8d: values beyond 7d on the other
     # side are clamped, up to one whole step.
-    bound = step if qtype == QType.Q4_0 else step / 2
+    bound = step if qtype in (QType.Q4_0, QType.Q5_0) else step / 2
     slack = 15 * 2.0 ** -11 * np.abs(blocks).max(-1) + 1e-30
     assert (err <= bound + slack).all()
     # an all-zero block stays zero; a one-hot block comes back at its extreme (exactly where the
     # scale is exact in f16: Q4_0's 3/8, Q4_1's minimum; Q8_0's 3/127 is rounded)
     np.testing.assert_array_equal(y[0, :QK], 0.0)
-    if qtype != QType.Q4_1:  # zero is a level of the symmetric formats
+    if qtype not in (QType.Q4_1, QType.Q5_1):  # zero is a level of the symmetric formats
         np.testing.assert_array_equal(np.delete(y[2, :QK], 5), 0.0)
     assert y[2, 5] == -3.0 if qtype != QType.Q8_0 else abs(y[2, 5] + 3.0) <= 3.0 * 2.0 ** -11
 

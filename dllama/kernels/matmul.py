@@ -17,8 +17,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
-from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide,
-                   dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
+from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
+                   dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
+                   dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
@@ -90,7 +91,7 @@ class Q8Activations:
 # out[t, r] = dot(row r of w, activation t). prange over rows: the weights are the big operand,
 # and each row is read once for all T tokens.
 
-_Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1 = 0, 1, 2, 3, 4
+_Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1, _IQ4_NL = 0, 1, 2, 3, 4, 5
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -107,6 +108,8 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
                 out[t, r] = dot_q5_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_0_q8(w, r, xq, xd, xds, t)
             elif fmt == _Q5_1:
                 out[t, r] = dot_q5_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_1_q8(w, r, xq, xd, xds, t)
+            elif fmt == _IQ4_NL:
+                out[t, r] = dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t) if wide else dot_iq4_nl_q8(w, r, xq, xd, xds, t)
             else:
                 out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
 
@@ -176,7 +179,8 @@ def _mm_f16_wide(w, x16, tbl, out):
             out[t, r] = acc
 
 
-_QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1}
+_QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1,
+                 QType.IQ4_NL: _IQ4_NL}
 
 
 class Activations:

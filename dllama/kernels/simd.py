@@ -72,6 +72,25 @@ def _hsum8(builder, acc):
 
 
 _X86_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+_AARCH64 = llvm_binding.get_process_triple().startswith(("aarch64", "arm64"))
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # GGML's kvalues_iq4nl
+
+
+def _iq4_nl_values(builder, nibbles):
+    """<16 x i8> indices 0..15 -> IQ4_NL's non-linear values: one table lookup instruction
+    (x86 pshufb, AArch64 tbl), or a select per entry elsewhere."""
+    table = _const_vec(_I8, IQ4_NL_VALUES)
+    if _X86_AVX2:
+        pshufb = _intrinsic_fn(builder, "llvm.x86.ssse3.pshuf.b.128", _vec(_I8, 16), [_vec(_I8, 16)] * 2)
+        return builder.call(pshufb, [table, nibbles])
+    if _AARCH64:
+        tbl = _intrinsic_fn(builder, "llvm.aarch64.neon.tbl1.v16i8", _vec(_I8, 16), [_vec(_I8, 16)] * 2)
+        return builder.call(tbl, [table, nibbles])
+    out = _const_vec(_I8, [IQ4_NL_VALUES[0]] * 16)
+    for k, value in enumerate(IQ4_NL_VALUES[1:], start=1):
+        out = builder.select(builder.icmp_unsigned("==", nibbles, _const_vec(_I8, [k] * 16)),
+                             _const_vec(_I8, [value] * 16), out)
+    return out
 
 
 def _quad_dot(builder, w_i8, x_i8, w_unsigned: bool):
@@ -93,7 +112,7 @@ def _quad_dot(builder, w_i8, x_i8, w_unsigned: bool):
 
 # Byte layout of each native block format: (bytes per block, offset of the quants); Q5's fifth
 # bits (one uint32 per block) sit just before the quants
-_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2), "q5_0": (22, 6), "q5_1": (24, 8)}
+_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2), "q5_0": (22, 6), "q5_1": (24, 8), "iq4_nl": (18, 2)}
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 
 
@@ -142,6 +161,8 @@ def _quant_row_dot(fmt: str, wide: bool = False):
                     packed = _load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, qs_offset)), _I8, 16)
                     low = builder.and_(packed, _const_vec(_I8, [15] * 16))
                     high = builder.lshr(packed, _const_vec(_I8, [4] * 16))
+                    if fmt == "iq4_nl":  # the nibbles index a table of 16 non-linear values
+                        low, high = _iq4_nl_values(builder, low), _iq4_nl_values(builder, high)
                     quants = builder.shuffle_vector(low, high, _const_vec(_I32, range(32)))  # value order
                     if fmt in ("q5_0", "q5_1"):  # bit j of the block's uint32 is value j's fifth bit
                         qh = _load_at(builder, w_ptr, builder.add(block, ir.Constant(_I64, qs_offset - 4)), _I32)
@@ -177,9 +198,11 @@ def _quant_row_dot(fmt: str, wide: bool = False):
 dot_q4_0_q8 = _quant_row_dot("q4_0")
 dot_q4_1_q8 = _quant_row_dot("q4_1")
 dot_q8_0_q8 = _quant_row_dot("q8_0")
+dot_iq4_nl_q8 = _quant_row_dot("iq4_nl")
 dot_q5_0_q8 = _quant_row_dot("q5_0")
 dot_q5_1_q8 = _quant_row_dot("q5_1")
 dot_q4_0_q8_wide = _quant_row_dot("q4_0", wide=True)
+dot_iq4_nl_q8_wide = _quant_row_dot("iq4_nl", wide=True)
 dot_q5_0_q8_wide = _quant_row_dot("q5_0", wide=True)
 dot_q5_1_q8_wide = _quant_row_dot("q5_1", wide=True)
 dot_q4_1_q8_wide = _quant_row_dot("q4_1", wide=True)
