@@ -86,6 +86,9 @@ class ModelConfig:
     # FFNs per token (softmax, top-k, weights renormalized to sum 1)
     n_experts: int = 0
     n_experts_used: int = 0
+    # the unit the plan splits FFN hidden units in: a quant block (32), or a K-quant super-block
+    # (256) where the FFN down projection is one (its columns are cut at those units)
+    ffn_block: int = 32
     # RoPE scaling (RopeScaling's fields, flat so the config travels as plain numbers)
     rope_freq_scale: float = 1.0
     rope_ext_factor: float = 0.0

@@ -19,7 +19,7 @@ from .architectures import (architecture_of, check_metadata, check_tensors, expe
 from .config import ModelConfig
 from .errors import ModelError
 from .gguf_file import ArrayInfo, GGUFFile
-from .quant import QType, quantize, requant_target
+from .quant import FORMATS, QType, quantize, requant_target
 from .weights import Experts, Matrix
 
 _REQUANT_ROWS = 256  # rows converted at a time for non-native types
@@ -85,6 +85,10 @@ class GGUFModel:
         if description.moe:
             config = replace(config, ffn_dim=expert_ffn_length(description, self.field, config.ffn_dim))
         config = replace(config, **family_config(description, self.field, dim, config.n_layers, n_heads, head_dim))
+        down = "ffn_down_exps" if config.n_experts else "ffn_down"
+        blocks = [FORMATS[QType(t.ggml_type)].block_size for name, t in self.file.tensors.items()
+                  if name.endswith(f".{down}.weight") and t.ggml_type in QType._value2member_map_]
+        config = replace(config, ffn_block=max([32, *blocks]))  # W2's columns are cut in whole (super-)blocks
         scaling = rope_scaling(description, self.field, config.rope_dims, config.rope_base, config.context_length)
         config = replace(config, **layer_features(description, self.file.tensors, config.n_layers, self.path),
                          rope_freq_scale=scaling.freq_scale, rope_ext_factor=scaling.ext_factor,

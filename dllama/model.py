@@ -14,12 +14,13 @@ from typing import Iterator
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ContextOverflow
+from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
 from .kernels.matmul import Activations
 from .kernels.ops import attention, gelu_mul, rmsnorm, rope, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
 from .plan import Shard
+from .quant import FORMATS
 from .projection import ALONE, Collectives, Gather, Reduce
 from .weights import Experts, Matrix
 
@@ -126,7 +127,7 @@ def shard_tensors(model: GGUFModel, shard: Shard,
             yield f"blk.{i}.attn_q_norm", model.vector(model.layer_name(i, "attn_q_norm"))
             yield f"blk.{i}.attn_k_norm", model.vector(model.layer_name(i, "attn_k_norm"))
         wo = m("attn_output")
-        yield f"blk.{i}.attn_output", wo.row_slice(*shard.rows) if by_rows else wo.col_slice(q0, q1)
+        yield f"blk.{i}.attn_output", wo.row_slice(*shard.rows) if by_rows else _head_columns(wo, q0, q1, shard)
         if model.config.post_norms:
             yield f"blk.{i}.post_attention_norm", model.vector(model.layer_name(i, "post_attention_norm"))
             yield f"blk.{i}.post_ffw_norm", model.vector(model.layer_name(i, "post_ffw_norm"))
@@ -152,6 +153,16 @@ def shard_tensors(model: GGUFModel, shard: Shard,
     freqs = model.rope_freq_factors()
     if freqs is not None:
         yield "rope_freqs", freqs
+
+
+def _head_columns(wo: Matrix, start: int, stop: int, shard: Shard) -> Matrix:
+    """Wo's columns of a node's heads (reduce mode), which must fall on the format's blocks."""
+    try:
+        return wo.col_slice(start, stop)
+    except ValueError:
+        raise DllamaError(f"the attention output is {wo.qtype.name}: its columns are cut in blocks of "
+                          f"{FORMATS[wo.qtype].block_size}, but node {shard.node}'s heads are columns {start}-{stop}; "
+                          "use --sync-mode gather (rows), or --weights that give it whole blocks") from None
 
 
 def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce") -> dict[str, tuple[int, int] | int]:

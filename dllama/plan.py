@@ -3,7 +3,8 @@
 - Attention by whole heads. GQA: while there are at least as many KV heads as nodes, the unit is
   a KV group (one KV head and its query heads); past that, query heads are split one by one and
   each node keeps (replicates) the KV heads its query heads read.
-- FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks. A mixture of
+- FFN by hidden units (rows of W1/W3 = columns of W2), in whole quant blocks (256-value
+  super-blocks where W2 is a K-quant: config.ffn_block). A mixture of
   experts the same way: each node holds the same hidden units of *every* expert (and the whole
   router), so whichever experts a token picks, all nodes compute their slice of them and the FFN
   keeps its one sync point; a node's weights are its share of all experts (`dllama models plan`).
@@ -19,7 +20,6 @@ from dataclasses import asdict, dataclass
 
 from .config import ModelConfig
 from .errors import DllamaError
-from .quant import QK
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,18 @@ class Plan:
         n = len(weights)
         if n < 1 or any(w <= 0 for w in weights):
             raise DllamaError(f"node weights must be positive, got {weights}")
-        if config.ffn_dim % QK:
-            raise DllamaError(f"FFN size {config.ffn_dim} is not a multiple of the quant block {QK}")
-        if n > config.ffn_dim // QK:
-            raise DllamaError(f"{n} nodes is more than the {config.ffn_dim // QK} FFN blocks of this model")
+        unit = config.ffn_block
+        if config.ffn_dim % unit:
+            raise DllamaError(f"FFN size {config.ffn_dim} is not a multiple of the quant block {unit}")
+        if n > config.ffn_dim // unit:
+            raise DllamaError(f"{n} nodes is more than the {config.ffn_dim // unit} FFN blocks of {unit} of this model")
 
         g = config.group_size
         if n <= config.n_kv_heads:
             q_counts = [c * g for c in split_units(config.n_kv_heads, weights)]
         else:
             q_counts = split_units(config.n_heads, weights)
-        ffn_counts = [c * QK for c in split_units(config.ffn_dim // QK, weights)]
+        ffn_counts = [c * unit for c in split_units(config.ffn_dim // unit, weights)]
         vocab_counts = split_units(config.vocab_size, weights)
         row_counts = split_units(config.dim, weights)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
+from gguf import quants as gguf_quants
 
 
 class QType(enum.IntEnum):
@@ -30,6 +31,8 @@ class QType(enum.IntEnum):
     Q5_0 = int(GGML.Q5_0)
     Q5_1 = int(GGML.Q5_1)
     IQ4_NL = int(GGML.IQ4_NL)
+    Q4_K = int(GGML.Q4_K)
+    Q6_K = int(GGML.Q6_K)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,14 @@ FORMATS: dict[QType, Format] = {
     QType.Q5_0: Format(QType.Q5_0, 32, 22),
     QType.Q5_1: Format(QType.Q5_1, 32, 24),  # f16 d, f16 m, uint32 of fifth bits, nibbles: v = q * d + m
     QType.IQ4_NL: Format(QType.IQ4_NL, 32, 18),  # f16 d, 16 bytes of nibbles: v = IQ4_NL_VALUES[q] * d
+    # K-quants, super-blocks of 256 (matmuls against Q8_K activations):
+    # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of 8 sub-blocks, nibbles: v = d*sc*q - dmin*m
+    QType.Q4_K: Format(QType.Q4_K, 256, 144),
+    # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales of 16-value sub-blocks, f16 d:
+    # v = d * sc * (q - 32)
+    QType.Q6_K: Format(QType.Q6_K, 256, 210),
 }
+K_QUANTS = (QType.Q4_K, QType.Q6_K)
 # IQ4_NL's 16 levels (GGML's kvalues_iq4nl): denser near 0, where most weights are
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 _QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.IQ4_NL: 2}  # where the nibbles start
@@ -97,6 +107,9 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.F16:
         return np.asarray(data).astype(np.float32)
     fmt = FORMATS[qtype]
+    if qtype in K_QUANTS:  # gguf-py's reference dequantizer (the kernels are checked against it)
+        raw = np.asarray(data, dtype=np.uint8)
+        return gguf_quants.dequantize(raw.reshape(raw.shape[0], -1), GGML(int(qtype))).reshape(raw.shape[0], -1)
     blocks = _split_blocks(np.asarray(data, dtype=np.uint8), fmt)
     d = _f16(blocks, 0)[..., None]
     if qtype == QType.Q8_0:
@@ -130,6 +143,8 @@ def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.F16:
         return x.astype(np.float16)
     fmt = FORMATS[qtype]
+    if qtype in K_QUANTS:
+        raise ValueError(f"no reference quantizer for {qtype.name} here (llama.cpp's quantizer writes it)")
     rows, cols = x.shape
     fmt.row_bytes(cols)  # validates the length
     xb = x.reshape(rows, cols // QK, QK)

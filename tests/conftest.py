@@ -89,28 +89,29 @@ def synthetic_model(tmp_path_factory, model_path):
 
 
 @pytest.fixture(scope="session")
-def requantized_model(tmp_path_factory, model_path):
-    """requantized_model(ftype, pure=False) -> the default model re-quantized by llama.cpp's own
-    quantizer (llama_model_quantize) to llama_cpp.LLAMA_FTYPE_MOSTLY_<ftype>, on first use. pure:
-    every tensor in that type (llama-quantize --pure), not its usual mix (which gives some
-    tensors more bits, in K-quants)."""
+def requantized_model(tmp_path_factory, model_path, synthetic_model):
+    """requantized_model(ftype, pure=False, source=None) -> the default model (or the synthetic
+    model `source`) re-quantized by llama.cpp's own quantizer (llama_model_quantize) to
+    llama_cpp.LLAMA_FTYPE_MOSTLY_<ftype>, on first use. pure: every tensor in that type
+    (llama-quantize --pure), not its usual mix (which gives some tensors more bits, in K-quants)."""
     import llama_cpp
 
     folder = tmp_path_factory.mktemp("requantized")
-    paths: dict[str, str] = {}
+    paths: dict[tuple, str] = {}
 
-    def get(ftype: str, pure: bool = False) -> str:
-        if (ftype, pure) not in paths:
-            path = str(folder / f"smollm2-{ftype}{'-pure' if pure else ''}.gguf")
+    def get(ftype: str, pure: bool = False, source: str | None = None) -> str:
+        if (ftype, pure, source) not in paths:
+            path = str(folder / f"{source or 'smollm2'}-{ftype}{'-pure' if pure else ''}.gguf")
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
             params.allow_requantize = True
             params.pure = pure
             params.nthread = 1
-            rc = llama_cpp.llama_model_quantize(model_path.encode(), path.encode(), params)
+            origin = synthetic_model(source) if source else model_path
+            rc = llama_cpp.llama_model_quantize(origin.encode(), path.encode(), params)
             assert rc == 0, f"llama_model_quantize to {ftype} failed ({rc})"
-            paths[ftype, pure] = path
-        return paths[ftype, pure]
+            paths[ftype, pure, source] = path
+        return paths[ftype, pure, source]
 
     return get
 

@@ -190,13 +190,20 @@ def test_each_family_feature_changes_the_answer(synthetic_model, llama_ref, toke
         assert figures["kl"] > 10 * max(SPREAD_FACTOR * own_kl, 1e-4), (field, figures)
 
 
-@pytest.mark.parametrize("ftype", ["Q5_0", "Q5_1", "IQ4_NL"])
-def test_default_model_requantized_by_llama_cpp_runs_native(requantized_model, llama_ref, tokenizer, ftype):
-    """SmolLM2 re-quantized by llama.cpp's quantizer: every weight used in its own format (no
+# (ftype, source): SmolLM2 (dim 576: llama.cpp's K-quant mixes fall back to Q5_0/Q8_0 where a row
+# is not whole super-blocks), or a synthetic model of dims multiple of 256 (K-quants everywhere)
+REQUANTIZED = [("Q5_0", None), ("Q5_1", None), ("IQ4_NL", None), ("Q4_K_M", None), ("Q4_K_M", "F16-256"),
+               ("Q6_K", "F16-256")]
+REPACKED = ("IQ4_NL", "Q4_K_M")  # llama.cpp repacks IQ4_NL and Q4_K for its own kernels (like Q4_0)
+
+
+@pytest.mark.parametrize("ftype, source", REQUANTIZED, ids=[f"{f}-{s or 'smollm2'}" for f, s in REQUANTIZED])
+def test_requantized_by_llama_cpp_runs_native(requantized_model, llama_ref, tokenizer, ftype, source):
+    """A model re-quantized by llama.cpp's quantizer: every weight used in its own format (no
     conversion: the weights in RAM are the file's bytes), the logits within llama.cpp's spread
-    (bit for bit where it takes our path; it repacks IQ4_NL for its own kernels, like Q4_0).
-    IQ4_NL --pure: llama.cpp's usual IQ4_NL mix puts a few FFN down projections in Q5_K."""
-    path = requantized_model(ftype, pure=ftype == "IQ4_NL")
+    (bit for bit where it takes our path). IQ4_NL --pure: llama.cpp's usual IQ4_NL mix puts a few
+    FFN down projections in Q5_K, which is still converted."""
+    path = requantized_model(ftype, pure=ftype == "IQ4_NL", source=source)
     model = GGUFModel(path)
     engine = LocalEngine(model, 256)
     assert not model._converted, f"converted on load: {sorted(model._converted)}"
@@ -204,11 +211,11 @@ def test_default_model_requantized_by_llama_cpp_runs_native(requantized_model, l
     del engine
     n = 128
     ref, ours, figures = _synthetic_figures(path, llama_ref, tokenizer, n)
-    print(f"\nSmolLM2 {ftype}: {figures}")
+    print(f"\n{source or 'SmolLM2'} {ftype}: {figures}")
     own_misses = round((1 - figures["llama_cpp_own_top1"]) * n)
     assert round((1 - figures["top1"]) * n) <= SPREAD_FACTOR * own_misses + 1, figures
     assert figures["kl"] <= max(SPREAD_FACTOR * figures["llama_cpp_own_kl"], 1e-4), figures
-    if bit_exact_expected() and ftype != "IQ4_NL":
+    if bit_exact_expected() and ftype not in REPACKED:
         np.testing.assert_array_equal(ours, ref)
 
 

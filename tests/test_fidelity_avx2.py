@@ -23,7 +23,7 @@ BIT_EXACT_TESTS = ["tests/test_fidelity.py::test_teacher_forced_logits_are_bit_i
                    "tests/test_fidelity.py::test_greedy_decode_equals_llama_cpp",
                    "tests/test_fidelity.py::test_synthetic_models",
                    "tests/test_fidelity.py::test_synthetic_architectures_greedy",
-                   "tests/test_fidelity.py::test_default_model_requantized_by_llama_cpp_runs_native",
+                   "tests/test_fidelity.py::test_requantized_by_llama_cpp_runs_native",
                    "tests/test_cli.py::test_perplexity_within_llama_cpp_s_own_spread",
                    # greedy through the CLI and the generator: exact where llama.cpp takes our path
                    "tests/test_cli.py::test_inference_temperature_0_is_llama_cpp_greedy",

@@ -98,6 +98,7 @@ class WireConfig(_Message):
     rope_base_local: Annotated[float, Meta(gt=0)] = 10000.0
     n_experts: Annotated[int, Meta(ge=0, le=256)] = 0
     n_experts_used: Annotated[int, Meta(ge=0, le=256)] = 0
+    ffn_block: Literal[32, 256] = 32
     rope_freq_scale: Annotated[float, Meta(gt=0)] = 1.0  # RoPE scaling (config.RopeScaling)
     rope_ext_factor: float = 0.0
     rope_corr_lo: float = 0.0
@@ -204,8 +205,9 @@ class Setup(_Message):
             if tuple(s.kv_heads) != kv:
                 raise ValueError(f"shards[{i}].kv_heads {list(s.kv_heads)} are not the KV heads {list(kv)} of "
                                  f"q_heads {list(s.q_heads)} (groups of {group})")
-            if s.ffn[0] % QK or s.ffn[1] % QK:
-                raise ValueError(f"shards[{i}].ffn {list(s.ffn)} is not cut on {QK}-value blocks")
+            unit = self.config.ffn_block
+            if s.ffn[0] % unit or s.ffn[1] % unit:
+                raise ValueError(f"shards[{i}].ffn {list(s.ffn)} is not cut on {unit}-value blocks")
         if self.shards[self.rank].vocab[0] == self.shards[self.rank].vocab[1]:
             raise ValueError(f"shards[{self.rank}].vocab is empty: each node scores some of the vocabulary")
 

@@ -19,7 +19,8 @@ from numba import njit, prange
 from ..quant import FORMATS, QK, QType, dequantize
 from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
                    dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
-                   dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
+                   dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_1_q8_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, dot_q8_0_q8,
+                   dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
@@ -87,11 +88,75 @@ class Q8Activations:
         return cls(q.reshape(T, cols), round_f16(d), round_f16(d * total))
 
 
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _quantize_q8_k(x, xq, xd, xs):
+    """GGML's quantize_row_q8_K_ref: per 256 values, the signed extreme maps to -127."""
+    T, cols = x.shape
+    for t in prange(T):
+        for b in range(cols // 256):
+            o = b * 256
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for j in range(256):
+                a = abs(x[t, o + j])
+                if a > amax:
+                    amax, vmax = a, x[t, o + j]
+            if amax == 0:
+                xd[t, b] = 0.0
+                for j in range(256):
+                    xq[t, o + j] = 0
+            else:
+                iscale = np.float32(-127.0) / vmax
+                for j in range(256):
+                    xq[t, o + j] = min(127, np.int32(np.rint(iscale * x[t, o + j])))
+                xd[t, b] = np.float32(1.0) / iscale
+            for g in range(16):
+                s = 0
+                for j in range(16):
+                    s += xq[t, o + 16 * g + j]
+                xs[t, 16 * b + g] = s
+
+
+class Q8KActivations:
+    """x (T, cols) quantized to Q8_K per 256 values (the K-quants' activations): q int8, d f32
+    scale per 256, sums: int32 sum of every 16 q."""
+
+    __slots__ = ("q", "d", "sums")
+
+    def __init__(self, q, d, sums):
+        self.q, self.d, self.sums = (np.ascontiguousarray(a) for a in (q, d, sums))
+
+    @classmethod
+    def quantize(cls, x: np.ndarray) -> "Q8KActivations":
+        T, cols = x.shape
+        if cols % 256:
+            raise ValueError(f"Q8_K needs rows of a multiple of 256 values, not {cols}")
+        q = np.empty((T, cols), np.int8)
+        d = np.empty((T, cols // 256), np.float32)
+        sums = np.empty((T, cols // 16), np.int32)
+        _quantize_q8_k(x, q, d, sums)
+        return cls(q, d, sums)
+
+    @classmethod
+    def quantize_ref(cls, x: np.ndarray) -> "Q8KActivations":
+        T, cols = x.shape
+        xb = x.reshape(T, -1, 256).astype(np.float32)
+        vmax = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        with np.errstate(divide="ignore"):
+            iscale = np.where(vmax != 0, np.float32(-127.0) / vmax, np.float32(0))
+        q = np.minimum(127, np.rint(xb * iscale[..., None])).astype(np.int8)
+        with np.errstate(divide="ignore"):
+            d = np.where(iscale != 0, np.float32(1.0) / iscale, np.float32(0)).astype(np.float32)
+        sums = q.reshape(T, -1, 16).astype(np.int32).sum(-1)
+        return cls(q.reshape(T, cols), d, sums)
+
+
 # ------------------------------------------------------------------ kernels
 # out[t, r] = dot(row r of w, activation t). prange over rows: the weights are the big operand,
 # and each row is read once for all T tokens.
 
 _Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1, _IQ4_NL = 0, 1, 2, 3, 4, 5
+_Q4_K, _Q6_K = 0, 1
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -112,6 +177,18 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
                 out[t, r] = dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t) if wide else dot_iq4_nl_q8(w, r, xq, xd, xds, t)
             else:
                 out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
+    """K-quant weights against Q8_K activations; wide: float64 (out is float64)."""
+    T = xq.shape[0]
+    for r in prange(w.shape[0]):
+        for t in range(T):
+            if fmt == _Q4_K:
+                out[t, r] = dot_q4_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q4_k_q8k(w, r, xq, xd, xs, t)
+            else:
+                out[t, r] = dot_q6_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q6_k_q8k(w, r, xq, xd, xs, t)
 
 
 @njit(nogil=True, cache=CACHE)
@@ -179,6 +256,7 @@ def _mm_f16_wide(w, x16, tbl, out):
             out[t, r] = acc
 
 
+_K_KERNEL = {QType.Q4_K: _Q4_K, QType.Q6_K: _Q6_K}
 _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1,
                  QType.IQ4_NL: _IQ4_NL}
 
@@ -187,19 +265,19 @@ class Activations:
     """Activations x (T, cols) float32, with the forms the kernels read computed once on first
     use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
 
-    __slots__ = ("x", "_q8", "_f16")
+    __slots__ = ("x", "_q8", "_q8k", "_f16")
 
     def __init__(self, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.x = x[None, :] if x.ndim == 1 else x
-        self._q8 = self._f16 = None
+        self._q8 = self._q8k = self._f16 = None
 
     @classmethod
     def from_q8(cls, q8: Q8Activations) -> "Activations":
         """Activations known only in their Q8 form (gathered from other nodes as blocks): they
         feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
         self = cls.__new__(cls)
-        self.x, self._q8, self._f16 = None, q8, None
+        self.x, self._q8, self._q8k, self._f16 = None, q8, None, None
         return self
 
     def take(self, index: np.ndarray) -> "Activations":
@@ -209,6 +287,8 @@ class Activations:
         out.x = None if self.x is None else self.x[index]
         out._q8 = None if self._q8 is None else Q8Activations(self._q8.q[index], self._q8.d[index],
                                                                self._q8.ds[index])
+        out._q8k = None if self._q8k is None else Q8KActivations(self._q8k.q[index], self._q8k.d[index],
+                                                                   self._q8k.sums[index])
         out._f16 = None if self._f16 is None else self._f16[index]
         return out
 
@@ -221,6 +301,12 @@ class Activations:
         if self._q8 is None:
             self._q8 = Q8Activations.quantize(self.x)
         return self._q8
+
+    @property
+    def q8k(self) -> Q8KActivations:
+        if self._q8k is None:
+            self._q8k = Q8KActivations.quantize(self.x)
+        return self._q8k
 
     @property
     def f16_bits(self) -> np.ndarray:  # GGML converts the activations to f16 for an f16 weight
@@ -243,6 +329,10 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)
+        return out
+    if qtype in _K_KERNEL:
+        k = x.q8k
+        _mm_k_quant(w, _K_KERNEL[qtype], wide, k.q, k.d, k.sums, out)
         return out
     if x.x is None:
         raise ValueError(f"a {QType(qtype).name} matmul needs float activations, not Q8 blocks")
@@ -270,6 +360,10 @@ def matmul_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
         return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
     if qtype == QType.F16:
         return (round_f16(x).astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+    if qtype in _K_KERNEL:  # the dequantized weights and Q8_K activations, in float64
+        a = Q8KActivations.quantize_ref(x)
+        xk = a.q.reshape(x.shape[0], -1, 256).astype(np.float64) * a.d[..., None].astype(np.float64)
+        return (xk.reshape(x.shape[0], -1) @ dequantize(w, qtype).astype(np.float64).T).astype(np.float32)
     fmt = FORMATS[qtype]
     blocks = w.reshape(w.shape[0], -1, fmt.block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)

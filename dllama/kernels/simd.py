@@ -126,6 +126,21 @@ def _row_ptr(context, builder, array_type, array, row):
     return builder.gep(base, [builder.mul(row, stride)])
 
 
+def _row_dot_operands(context, builder, signature, args, sums_type: ir.Type):
+    """The operands of dot(w, r, xq, xd, xs, t): pointers to row r of w, to row t of the
+    activations' values, scales and per-block sums (of sums_type), and the number of blocks."""
+    w_arr, row, xq_arr, xd_arr, xs_arr, tok = args
+    ty = signature.args
+    row = context.cast(builder, row, ty[1], types.intp)
+    tok = context.cast(builder, tok, ty[5], types.intp)
+    w_ptr = _row_ptr(context, builder, ty[0], w_arr, row)
+    xq_ptr = _row_ptr(context, builder, ty[2], xq_arr, tok)
+    xd_ptr = builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, tok), _F32.as_pointer())
+    xs_ptr = builder.bitcast(_row_ptr(context, builder, ty[4], xs_arr, tok), sums_type.as_pointer())
+    n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
+    return w_ptr, xq_ptr, xd_ptr, xs_ptr, n_blocks
+
+
 def _quant_row_dot(fmt: str, wide: bool = False):
     """Build the intrinsic dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format
     `fmt`) against Q8 activation row t (xq int8 values, xd f16-rounded block scales, xds block
@@ -138,15 +153,7 @@ def _quant_row_dot(fmt: str, wide: bool = False):
         sig = (types.float64 if wide else types.float32)(w, r, xq, xd, xds, t)
 
         def codegen(context, builder, signature, args):
-            w_arr, row, xq_arr, xd_arr, xds_arr, tok = args
-            ty = signature.args
-            row = context.cast(builder, row, ty[1], types.intp)
-            tok = context.cast(builder, tok, ty[5], types.intp)
-            w_ptr = _row_ptr(context, builder, ty[0], w_arr, row)
-            xq_ptr = _row_ptr(context, builder, ty[2], xq_arr, tok)
-            xd_ptr = builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, tok), _F32.as_pointer())
-            xds_ptr = builder.bitcast(_row_ptr(context, builder, ty[4], xds_arr, tok), _F32.as_pointer())
-            n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
+            w_ptr, xq_ptr, xd_ptr, xds_ptr, n_blocks = _row_dot_operands(context, builder, signature, args, _F32)
             acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(acc_t, _LANES), None))
             builder.store(ir.Constant(_vec(acc_t, _LANES), [0.0] * _LANES), acc_slot)
             summs_slot = cgutils.alloca_once_value(builder, ir.Constant(acc_t, 0.0))
@@ -207,6 +214,138 @@ dot_q5_0_q8_wide = _quant_row_dot("q5_0", wide=True)
 dot_q5_1_q8_wide = _quant_row_dot("q5_1", wide=True)
 dot_q4_1_q8_wide = _quant_row_dot("q4_1", wide=True)
 dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
+
+
+# K-quants: super-blocks of 256 values against Q8_K activations (one f32 scale per 256, int8
+# values, int sums of every 16). Byte layout: (bytes per super-block, field offsets)
+_K_BLOCK = {
+    "q4_k": (144, {"d": 0, "dmin": 2, "scales": 4, "qs": 16}),  # 8 sub-blocks of 32: 6-bit scale, 6-bit min
+    "q6_k": (210, {"ql": 0, "qh": 128, "scales": 192, "d": 208}),  # 16 sub-blocks of 16: int8 scale
+}
+
+
+def _k_row_dot(fmt: str, wide: bool = False):
+    """Build the intrinsic dot(w, r, xq, xd, xs, t): row r of weight w (uint8, K-quant `fmt`)
+    against Q8_K activation row t (xq int8 values, xd f32 scale of each 256, xs int32 sum of
+    each 16 values), in the order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K: per super-block, 8
+    integer lanes (lane k: values 4k..4k+3 of every 32, times their sub-block scales) turned to
+    floats and fused-multiply-added with the super-block scale into 8 float lanes; Q4_K's mins
+    meet the activations' 32-sums in 4 more lanes. wide: float64 lanes."""
+    block_bytes, at = _K_BLOCK[fmt]
+    acc_t = _F64 if wide else _F32
+
+    def typer(typingctx, w, r, xq, xd, xs, t):
+        sig = (types.float64 if wide else types.float32)(w, r, xq, xd, xs, t)
+
+        def codegen(context, builder, signature, args):
+            w_ptr, xq_ptr, xd_ptr, xs_ptr, n_blocks = _row_dot_operands(context, builder, signature, args, _I32)
+            acc_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(acc_t, _LANES), [0.0] * _LANES))
+            builder.store(ir.Constant(_vec(acc_t, _LANES), [0.0] * _LANES), acc_slot)
+            mins_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(acc_t, 4), [0.0] * 4))
+            builder.store(ir.Constant(_vec(acc_t, 4), [0.0] * 4), mins_slot)
+
+            def byte(offset):  # the unsigned byte at w_ptr + offset, as i32
+                return builder.zext(_load_at(builder, w_ptr, offset, _I8), _I32)
+
+            def const(v):
+                return ir.Constant(_I32, v)
+
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                block = builder.mul(b, ir.Constant(_I64, block_bytes))
+
+                def field(name, extra=0):
+                    return builder.add(block, ir.Constant(_I64, at[name] + extra))
+
+                x_d = builder.load(builder.gep(xd_ptr, [b]))
+                xq_at = builder.mul(b, ir.Constant(_I64, 256))
+                sums = [builder.load(builder.gep(xs_ptr, [builder.add(builder.mul(b, ir.Constant(_I64, 16)),
+                                                                      ir.Constant(_I64, i))])) for i in range(16)]
+                sumi = ir.Constant(_vec(_I32, _LANES), [0] * _LANES)
+                if fmt == "q4_k":
+                    q = [byte(field("scales", i)) for i in range(12)]
+                    scales, mins = [], []
+                    for j in range(8):  # GGML's get_scale_min_k4: 6-bit scale and min of sub-block j
+                        if j < 4:
+                            scales.append(builder.and_(q[j], const(63)))
+                            mins.append(builder.and_(q[j + 4], const(63)))
+                        else:
+                            scales.append(builder.or_(builder.and_(q[j + 4], const(15)),
+                                                      builder.shl(builder.lshr(q[j - 4], const(6)), const(4))))
+                            mins.append(builder.or_(builder.lshr(q[j + 4], const(4)),
+                                                    builder.shl(builder.lshr(q[j], const(6)), const(4))))
+                    for j in range(4):  # 64 values: low nibbles = sub-block 2j, high = 2j+1
+                        packed = _load_at(builder, w_ptr, field("qs", 32 * j), _I8, 32)
+                        for half, nibbles in enumerate((builder.and_(packed, _const_vec(_I8, [15] * 32)),
+                                                        builder.lshr(packed, _const_vec(_I8, [4] * 32)))):
+                            xq = _load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(_I64, 64 * j + 32 * half)),
+                                          _I8, 32)
+                            quad = _quad_dot(builder, nibbles, xq, w_unsigned=True)
+                            sumi = builder.add(sumi, builder.mul(quad, _splat(builder, scales[2 * j + half], _LANES)))
+                    # mins: lane m = min[2m] * S[2m] + min[2m+1] * S[2m+1], S[i] the 32-sum of sub-block i
+                    block_sums = [builder.add(sums[2 * i], sums[2 * i + 1]) for i in range(8)]
+                    prod = ir.Constant(_vec(_I32, 4), None)
+                    for m in range(4):
+                        lane = builder.add(builder.mul(mins[2 * m], block_sums[2 * m]),
+                                           builder.mul(mins[2 * m + 1], block_sums[2 * m + 1]))
+                        prod = builder.insert_element(prod, lane, ir.Constant(_I32, m))
+                    dmin = builder.fmul(builder.fneg(x_d), builder.fpext(_load_at(builder, w_ptr, field("dmin"), _F16),
+                                                                        _F32))
+                    if wide:
+                        dmin = builder.fmul(builder.fneg(builder.fpext(x_d, _F64)),
+                                            builder.fpext(_load_at(builder, w_ptr, field("dmin"), _F16), _F64))
+                    builder.store(_fmuladd(builder, _splat(builder, dmin, 4), builder.sitofp(prod, _vec(acc_t, 4)),
+                                           builder.load(mins_slot)), mins_slot)
+                else:  # q6_k: 128 values per chunk, 4 runs of 32 (two 16-value sub-blocks each)
+                    scales = [builder.sext(_load_at(builder, w_ptr, field("scales", i), _I8), _I32) for i in range(16)]
+                    for j in range(2):
+                        low1 = _load_at(builder, w_ptr, field("ql", 64 * j), _I8, 32)
+                        low2 = _load_at(builder, w_ptr, field("ql", 64 * j + 32), _I8, 32)
+                        high = _load_at(builder, w_ptr, field("qh", 32 * j), _I8, 32)
+                        fifteen, three, four = (_const_vec(_I8, [v] * 32) for v in (15, 3, 4))
+                        lows = (builder.and_(low1, fifteen), builder.and_(low2, fifteen),
+                                builder.lshr(low1, four), builder.lshr(low2, four))
+                        for k in range(4):
+                            top = builder.and_(builder.lshr(high, _const_vec(_I8, [2 * k] * 32)), three)
+                            q6 = builder.or_(lows[k], builder.shl(top, _const_vec(_I8, [4] * 32)))
+                            xq = _load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(_I64, 128 * j + 32 * k)),
+                                          _I8, 32)
+                            quad = _quad_dot(builder, q6, xq, w_unsigned=True)
+                            s = 2 * (4 * j + k)
+                            lane_scales = ir.Constant(_vec(_I32, _LANES), None)
+                            for lane in range(_LANES):
+                                lane_scales = builder.insert_element(lane_scales, scales[s + lane // 4],
+                                                                     ir.Constant(_I32, lane))
+                            sumi = builder.add(sumi, builder.mul(quad, lane_scales))
+                    # the values are stored + 32: lane l takes back 32 * (S16[2l] sc[2l] + S16[2l+1] sc[2l+1])
+                    offset = ir.Constant(_vec(_I32, _LANES), None)
+                    for lane in range(_LANES):
+                        v = builder.add(builder.mul(sums[2 * lane], scales[2 * lane]),
+                                        builder.mul(sums[2 * lane + 1], scales[2 * lane + 1]))
+                        offset = builder.insert_element(offset, builder.shl(v, const(5)), ir.Constant(_I32, lane))
+                    sumi = builder.sub(sumi, offset)
+                d_w = _load_at(builder, w_ptr, field("d"), _F16)
+                d = builder.fmul(builder.fpext(x_d, _F64), builder.fpext(d_w, _F64)) if wide else \
+                    builder.fmul(x_d, builder.fpext(d_w, _F32))
+                builder.store(_fmuladd(builder, _splat(builder, d, _LANES), builder.sitofp(sumi, _vec(acc_t, _LANES)),
+                                       builder.load(acc_slot)), acc_slot)
+            total = _hsum8(builder, builder.load(acc_slot))
+            if fmt == "q4_k":  # (m0 + m2) + (m1 + m3), as GGML's movehl / movehdup
+                m = builder.load(mins_slot)
+                el = [builder.extract_element(m, ir.Constant(_I32, i)) for i in range(4)]
+                total = builder.fadd(total, builder.fadd(builder.fadd(el[0], el[2]), builder.fadd(el[1], el[3])))
+            return total
+
+        return sig, codegen
+
+    typer.__name__ = f"dot_{fmt}_q8k{'_wide' if wide else ''}"
+    return intrinsic(typer)
+
+
+dot_q4_k_q8k = _k_row_dot("q4_k")
+dot_q6_k_q8k = _k_row_dot("q6_k")
+dot_q4_k_q8k_wide = _k_row_dot("q4_k", wide=True)
+dot_q6_k_q8k_wide = _k_row_dot("q6_k", wide=True)
 
 
 def _ggml_vec_dot(elem: ir.Type):
