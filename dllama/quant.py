@@ -32,6 +32,7 @@ class QType(enum.IntEnum):
     Q5_1 = int(GGML.Q5_1)
     IQ4_NL = int(GGML.IQ4_NL)
     Q4_K = int(GGML.Q4_K)
+    Q5_K = int(GGML.Q5_K)
     Q6_K = int(GGML.Q6_K)
 
 
@@ -60,11 +61,12 @@ FORMATS: dict[QType, Format] = {
     # K-quants, super-blocks of 256 (matmuls against Q8_K activations):
     # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of 8 sub-blocks, nibbles: v = d*sc*q - dmin*m
     QType.Q4_K: Format(QType.Q4_K, 256, 144),
+    QType.Q5_K: Format(QType.Q5_K, 256, 176),  # Q4_K's fields, and 32 bytes of fifth bits before the nibbles
     # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales of 16-value sub-blocks, f16 d:
     # v = d * sc * (q - 32)
     QType.Q6_K: Format(QType.Q6_K, 256, 210),
 }
-K_QUANTS = (QType.Q4_K, QType.Q6_K)
+K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 # IQ4_NL's 16 levels (GGML's kvalues_iq4nl): denser near 0, where most weights are
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 _QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.IQ4_NL: 2}  # where the nibbles start

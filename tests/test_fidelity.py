@@ -193,7 +193,7 @@ def test_each_family_feature_changes_the_answer(synthetic_model, llama_ref, toke
 # (ftype, source): SmolLM2 (dim 576: llama.cpp's K-quant mixes fall back to Q5_0/Q8_0 where a row
 # is not whole super-blocks), or a synthetic model of dims multiple of 256 (K-quants everywhere)
 REQUANTIZED = [("Q5_0", None), ("Q5_1", None), ("IQ4_NL", None), ("Q4_K_M", None), ("Q4_K_M", "F16-256"),
-               ("Q6_K", "F16-256")]
+               ("Q5_K_M", "F16-256"), ("Q6_K", "F16-256")]
 REPACKED = ("IQ4_NL", "Q4_K_M")  # llama.cpp repacks IQ4_NL and Q4_K for its own kernels (like Q4_0)
 
 
@@ -201,9 +201,9 @@ REPACKED = ("IQ4_NL", "Q4_K_M")  # llama.cpp repacks IQ4_NL and Q4_K for its own
 def test_requantized_by_llama_cpp_runs_native(requantized_model, llama_ref, tokenizer, ftype, source):
     """A model re-quantized by llama.cpp's quantizer: every weight used in its own format (no
     conversion: the weights in RAM are the file's bytes), the logits within llama.cpp's spread
-    (bit for bit where it takes our path). IQ4_NL --pure: llama.cpp's usual IQ4_NL mix puts a few
-    FFN down projections in Q5_K, which is still converted."""
-    path = requantized_model(ftype, pure=ftype == "IQ4_NL", source=source)
+    (bit for bit where it takes our path). llama.cpp's mixes give some tensors more bits: its
+    IQ4_NL puts a few FFN down projections in Q5_K, Q4_K_M some in Q6_K."""
+    path = requantized_model(ftype, source=source)
     model = GGUFModel(path)
     engine = LocalEngine(model, 256)
     assert not model._converted, f"converted on load: {sorted(model._converted)}"

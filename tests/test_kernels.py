@@ -15,8 +15,8 @@ from dllama.kernels.ops import (attention, attention_ref, expf, gelu_mul, gelu_m
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q4_K, QType.Q6_K,
-          QType.F16, QType.F32]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q4_K, QType.Q5_K,
+          QType.Q6_K, QType.F16, QType.F32]
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -29,9 +29,9 @@ def k_quant_blocks(qtype: QType, rows: int, cols: int, rng) -> np.ndarray:
     super-block scales that keep the values near 0.5/sqrt(cols): no reference quantizer needed."""
     fmt = FORMATS[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // 256, fmt.block_bytes), dtype=np.uint8)
-    magnitude = 0.5 / np.sqrt(cols) / (15 * 63 if qtype == QType.Q4_K else 32 * 127)
+    magnitude = 0.5 / np.sqrt(cols) / {QType.Q4_K: 15 * 63, QType.Q5_K: 31 * 63, QType.Q6_K: 32 * 127}[qtype]
     scale = (magnitude * rng.uniform(0.5, 2.0, size=raw.shape[:2] + (2,))).astype(np.float16).view(np.uint8)
-    if qtype == QType.Q4_K:
+    if qtype in (QType.Q4_K, QType.Q5_K):
         raw[..., 0:4] = scale.reshape(raw.shape[:2] + (4,))  # d, dmin
     else:
         raw[..., 208:210] = scale.reshape(raw.shape[:2] + (4,))[..., :2]  # d
@@ -76,8 +76,7 @@ def test_matmul_on_column_slices(qtype):
     rows, cols = 45, 512
     w = weight_matrix(qtype, rows, cols, seed=11)
     # f16/f32: any column, odd tail; K-quants: whole super-blocks of 256
-    start, stop = {QType.F16: (5, 102), QType.F32: (5, 102), QType.Q4_K: (256, 512), QType.Q6_K: (256, 512)}.get(
-        qtype, (128, 384))
+    start, stop = {QType.F16: (5, 102), QType.F32: (5, 102), **{k: (256, 512) for k in K_QUANTS}}.get(qtype, (128, 384))
     part = w.col_slice(start, stop)
     assert part.cols == stop - start and not part.data.flags.c_contiguous
     for T in (1, 3, 17):
@@ -455,7 +454,7 @@ def test_softmax_equals_reference(n):
 def test_matmul_rows_do_not_depend_on_the_batch(qtype):
     """Each token's output row is the same bits computed alone or among 1..16 others (odd width:
     the F16/F32 tails too)."""
-    cols = {QType.F16: 301, QType.F32: 301, QType.Q4_K: 512, QType.Q6_K: 512}.get(qtype, 320)
+    cols = {QType.F16: 301, QType.F32: 301, **{k: 512 for k in K_QUANTS}}.get(qtype, 320)
     w = weight_matrix(qtype, 33, cols, seed=5)
     x = activations(17, cols, seed=6)
     batched = matmul(w.data, qtype, x)

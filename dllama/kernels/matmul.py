@@ -19,7 +19,7 @@ from numba import njit, prange
 from ..quant import FORMATS, QK, QType, dequantize
 from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
                    dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
-                   dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_1_q8_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, dot_q8_0_q8,
+                   dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_1_q8_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, dot_q8_0_q8,
                    dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
@@ -156,7 +156,7 @@ class Q8KActivations:
 # and each row is read once for all T tokens.
 
 _Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1, _IQ4_NL = 0, 1, 2, 3, 4, 5
-_Q4_K, _Q6_K = 0, 1
+_Q4_K, _Q6_K, _Q5_K = 0, 1, 2
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -187,6 +187,8 @@ def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
         for t in range(T):
             if fmt == _Q4_K:
                 out[t, r] = dot_q4_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q4_k_q8k(w, r, xq, xd, xs, t)
+            elif fmt == _Q5_K:
+                out[t, r] = dot_q5_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q5_k_q8k(w, r, xq, xd, xs, t)
             else:
                 out[t, r] = dot_q6_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q6_k_q8k(w, r, xq, xd, xs, t)
 
@@ -256,7 +258,7 @@ def _mm_f16_wide(w, x16, tbl, out):
             out[t, r] = acc
 
 
-_K_KERNEL = {QType.Q4_K: _Q4_K, QType.Q6_K: _Q6_K}
+_K_KERNEL = {QType.Q4_K: _Q4_K, QType.Q5_K: _Q5_K, QType.Q6_K: _Q6_K}
 _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1,
                  QType.IQ4_NL: _IQ4_NL}
 

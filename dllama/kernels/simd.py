@@ -220,6 +220,7 @@ dot_q8_0_q8_wide = _quant_row_dot("q8_0", wide=True)
 # values, int sums of every 16). Byte layout: (bytes per super-block, field offsets)
 _K_BLOCK = {
     "q4_k": (144, {"d": 0, "dmin": 2, "scales": 4, "qs": 16}),  # 8 sub-blocks of 32: 6-bit scale, 6-bit min
+    "q5_k": (176, {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48}),  # Q4_K + a fifth bit per value
     "q6_k": (210, {"ql": 0, "qh": 128, "scales": 192, "d": 208}),  # 16 sub-blocks of 16: int8 scale
 }
 
@@ -230,7 +231,7 @@ def _k_row_dot(fmt: str, wide: bool = False):
     each 16 values), in the order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K: per super-block, 8
     integer lanes (lane k: values 4k..4k+3 of every 32, times their sub-block scales) turned to
     floats and fused-multiply-added with the super-block scale into 8 float lanes; Q4_K's mins
-    meet the activations' 32-sums in 4 more lanes. wide: float64 lanes."""
+    meet the activations' 32-sums in 4 more lanes, Q5_K's in one float. wide: float64 lanes."""
     block_bytes, at = _K_BLOCK[fmt]
     acc_t = _F64 if wide else _F32
 
@@ -243,6 +244,8 @@ def _k_row_dot(fmt: str, wide: bool = False):
             builder.store(ir.Constant(_vec(acc_t, _LANES), [0.0] * _LANES), acc_slot)
             mins_slot = cgutils.alloca_once_value(builder, ir.Constant(_vec(acc_t, 4), [0.0] * 4))
             builder.store(ir.Constant(_vec(acc_t, 4), [0.0] * 4), mins_slot)
+            summs_slot = cgutils.alloca_once_value(builder, ir.Constant(acc_t, 0.0))
+            builder.store(ir.Constant(acc_t, 0.0), summs_slot)
 
             def byte(offset):  # the unsigned byte at w_ptr + offset, as i32
                 return builder.zext(_load_at(builder, w_ptr, offset, _I8), _I32)
@@ -262,7 +265,7 @@ def _k_row_dot(fmt: str, wide: bool = False):
                 sums = [builder.load(builder.gep(xs_ptr, [builder.add(builder.mul(b, ir.Constant(_I64, 16)),
                                                                       ir.Constant(_I64, i))])) for i in range(16)]
                 sumi = ir.Constant(_vec(_I32, _LANES), [0] * _LANES)
-                if fmt == "q4_k":
+                if fmt in ("q4_k", "q5_k"):
                     q = [byte(field("scales", i)) for i in range(12)]
                     scales, mins = [], []
                     for j in range(8):  # GGML's get_scale_min_k4: 6-bit scale and min of sub-block j
@@ -274,10 +277,15 @@ def _k_row_dot(fmt: str, wide: bool = False):
                                                       builder.shl(builder.lshr(q[j - 4], const(6)), const(4))))
                             mins.append(builder.or_(builder.lshr(q[j + 4], const(4)),
                                                     builder.shl(builder.lshr(q[j], const(6)), const(4))))
+                    fifth_bits = _load_at(builder, w_ptr, field("qh"), _I8, 32) if fmt == "q5_k" else None
                     for j in range(4):  # 64 values: low nibbles = sub-block 2j, high = 2j+1
                         packed = _load_at(builder, w_ptr, field("qs", 32 * j), _I8, 32)
                         for half, nibbles in enumerate((builder.and_(packed, _const_vec(_I8, [15] * 32)),
                                                         builder.lshr(packed, _const_vec(_I8, [4] * 32)))):
+                            if fifth_bits is not None:  # bit 2j+half of byte b: value b's fifth bit
+                                bit = builder.and_(builder.lshr(fifth_bits, _const_vec(_I8, [2 * j + half] * 32)),
+                                                   _const_vec(_I8, [1] * 32))
+                                nibbles = builder.or_(nibbles, builder.shl(bit, _const_vec(_I8, [4] * 32)))
                             xq = _load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(_I64, 64 * j + 32 * half)),
                                           _I8, 32)
                             quad = _quad_dot(builder, nibbles, xq, w_unsigned=True)
@@ -294,8 +302,14 @@ def _k_row_dot(fmt: str, wide: bool = False):
                     if wide:
                         dmin = builder.fmul(builder.fneg(builder.fpext(x_d, _F64)),
                                             builder.fpext(_load_at(builder, w_ptr, field("dmin"), _F16), _F64))
-                    builder.store(_fmuladd(builder, _splat(builder, dmin, 4), builder.sitofp(prod, _vec(acc_t, 4)),
-                                           builder.load(mins_slot)), mins_slot)
+                    if fmt == "q4_k":
+                        builder.store(_fmuladd(builder, _splat(builder, dmin, 4), builder.sitofp(prod, _vec(acc_t, 4)),
+                                               builder.load(mins_slot)), mins_slot)
+                    else:  # Q5_K adds the four lanes as integers, then one float per super-block
+                        lanes = [builder.extract_element(prod, ir.Constant(_I32, m)) for m in range(4)]
+                        whole = builder.add(builder.add(lanes[0], lanes[1]), builder.add(lanes[2], lanes[3]))
+                        builder.store(_fmuladd(builder, dmin, builder.sitofp(whole, acc_t), builder.load(summs_slot)),
+                                      summs_slot)
                 else:  # q6_k: 128 values per chunk, 4 runs of 32 (two 16-value sub-blocks each)
                     scales = [builder.sext(_load_at(builder, w_ptr, field("scales", i), _I8), _I32) for i in range(16)]
                     for j in range(2):
@@ -334,6 +348,8 @@ def _k_row_dot(fmt: str, wide: bool = False):
                 m = builder.load(mins_slot)
                 el = [builder.extract_element(m, ir.Constant(_I32, i)) for i in range(4)]
                 total = builder.fadd(total, builder.fadd(builder.fadd(el[0], el[2]), builder.fadd(el[1], el[3])))
+            if fmt == "q5_k":
+                total = builder.fadd(total, builder.load(summs_slot))
             return total
 
         return sig, codegen
@@ -343,8 +359,10 @@ def _k_row_dot(fmt: str, wide: bool = False):
 
 
 dot_q4_k_q8k = _k_row_dot("q4_k")
+dot_q5_k_q8k = _k_row_dot("q5_k")
 dot_q6_k_q8k = _k_row_dot("q6_k")
 dot_q4_k_q8k_wide = _k_row_dot("q4_k", wide=True)
+dot_q5_k_q8k_wide = _k_row_dot("q5_k", wide=True)
 dot_q6_k_q8k_wide = _k_row_dot("q6_k", wide=True)
 
 
