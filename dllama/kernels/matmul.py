@@ -18,9 +18,9 @@ from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
 from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
-                   dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
-                   dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_1_q8_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, dot_q8_0_q8,
-                   dot_q8_0_q8_wide, f16_at)
+                   dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_0_q8,
+                   dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
+                   dot_q6_k_q8k_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
 
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
