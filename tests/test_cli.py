@@ -123,7 +123,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("extra, key, fragment", [
-    ([("blk.0.ffn_up.bias", (128,))], None, "tensor blk.0.ffn_up.bias is not used"),
+    ([("blk.0.attn_norm.bias", (64,))], None, "tensor blk.0.attn_norm.bias is not used"),
     ([], ("rope.scaling.type", "longrope"), "llama.rope.scaling.type = 'longrope'"),
 ], ids=["unused-bias", "longrope"])
 def test_a_model_we_would_run_wrongly_is_refused(tmp_path, extra, key, fragment):
