@@ -367,14 +367,14 @@ def test_f64_tensors_load_as_f32(tmp_path):
     assert np.array_equal(model.vector("output_norm.weight"), values[0].astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["Q6_K", "BF16"])
+@pytest.mark.parametrize("name", ["Q2_K", "BF16"])
 def test_non_native_tensors_are_converted(synthetic_model, requantized_model, name):
-    """A format without a kernel here is converted on load: BF16 (a synthetic model) to F16, Q6_K
-    (the default model re-quantized by llama.cpp: its FFN down projections) to Q8_0."""
-    path = requantized_model(name) if name == "Q6_K" else synthetic_model(name)
+    """A format without a kernel here is converted on load: BF16 (a synthetic model) to F16, Q2_K
+    (the default model re-quantized by llama.cpp --pure: its FFN down projections) to Q4_1."""
+    path = requantized_model(name, pure=True) if name == "Q2_K" else synthetic_model(name)
     model = GGUFModel(path)
     f = model.file
-    target = {"Q6_K": QType.Q8_0, "BF16": QType.F16}[name]
+    target = {"Q2_K": QType.Q4_1, "BF16": QType.F16}[name]
     for tensor in ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"):
         assert f.tensors[tensor].ggml_type == GGML[name]
         m = model.matrix(tensor)
@@ -384,10 +384,11 @@ def test_non_native_tensors_are_converted(synthetic_model, requantized_model, na
         assert ours.shape == source.shape == (m.rows, m.cols)
         if target == QType.F16:  # bf16 -> f16 is exact but for values below f16's normal range
             np.testing.assert_allclose(ours, source, rtol=2.0 ** -11, atol=2.0 ** -25)
-        else:  # within half a Q8_0 step (+ the f16 rounding of the scale)
-            amax = np.abs(source.reshape(m.rows, -1, 32)).max(-1, keepdims=True)
+        else:  # within half a Q4_1 step (+ the f16 rounding of its scale and minimum)
+            blocks = source.reshape(m.rows, -1, 32)
+            step = blocks.max(-1, keepdims=True) - blocks.min(-1, keepdims=True)
             err = np.abs(ours - source).reshape(m.rows, -1, 32)
-            assert (err <= amax / 127 * 0.5 + amax * 2.0 ** -11).all()
+            assert (err <= step / 15 * 0.51 + np.abs(blocks).max(-1, keepdims=True) * 2.0 ** -9).all()
     if name in SYNTHETIC_SPECS:
         cfg, spec = model.config, SYNTHETIC_SPECS[name]
         assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.tied_embeddings) == (
