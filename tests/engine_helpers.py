@@ -54,7 +54,7 @@ SYNTHETIC_SPECS = {
     "gemma3-softcap": dict(arch="gemma3", dim=256, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=64, ffn_dim=512,
                            qtype="Q8_0", qk_norm=True, post_norms=True, sliding_window=32, swa_pattern=2,
                            logit_softcap=1.0, seed=18),  # a cap near these logits' spread, as 30 is to Gemma 2's
-    "qwen3moe-tiny": dict(arch="qwen3moe", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=64,
+    "qwen3moe-tiny": dict(arch="qwen3moe", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=128,
                           n_experts=8, n_experts_used=2, qtype="Q8_0", qk_norm=True, seed=19),
     "qwen3-tiny": dict(arch="qwen3", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256,
                        qtype="Q8_0", qk_norm=True, seed=14),

@@ -78,7 +78,9 @@ async def test_gather_mode_cluster_gives_the_one_node_logits(gguf_model, text_to
 # ------------------------------------------------------------------ synthetic models, no llama.cpp
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "F16", "Q4_0", "Q5_0", "Q5_1", "qwen3moe-tiny", "gemma3-softcap"])
+# (every format's kernels: test_kernels.py::test_matmul_rows_do_not_depend_on_the_batch; K-quant
+# models: test_formats.py)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "F16", "Q4_0", "qwen3moe-tiny", "gemma3-softcap"])
 async def test_synthetic_logits_do_not_depend_on_chunking(synthetic_model, name):
     model = GGUFModel(synthetic_model(name))
     tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, 80).tolist()
