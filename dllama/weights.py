@@ -83,6 +83,10 @@ class Experts:
     def nbytes(self) -> int:
         return self.n * self[0].nbytes
 
+    def contiguous(self) -> "Experts":
+        """A compact in-RAM copy of the stack (of a strided slice)."""
+        return Experts(self.qtype, self.n, self.rows, self.cols, np.ascontiguousarray(self.data))
+
     def as_matrix(self) -> Matrix:
         """The experts one after the other, as one matrix (a copy if the stack is a strided slice)."""
         data = np.ascontiguousarray(self.data)

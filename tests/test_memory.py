@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 SCRIPT = r"""
 import asyncio, gc, json, sys
 
@@ -52,3 +54,22 @@ def test_rss_growth_is_about_the_file_size(model_path, synthetic_model):
           f"(ratio {total / size:.3f})")
     assert total <= 1.25 * size
     assert opened <= 0.1 * size  # opening reads the header, not the vocabulary or the weights
+
+
+def test_column_slices_are_packed_and_whole_matrices_stay_in_the_map(gguf_model):
+    """Reduce mode's Wo and W2 column slices are copied into compact rows once (read from the map
+    their parts are strided, which defeats prefetching: 2-3x slower); everything else, and the
+    1-node shard, stays a view of the memory-mapped file."""
+    from dllama.model import ShardWeights
+    from dllama.plan import Plan
+
+    mapped = gguf_model.file.data("blk.0.ffn_down.weight")
+    alone = ShardWeights.from_gguf(gguf_model, Plan.single(gguf_model.config).shards[0])
+    assert np.shares_memory(alone.layers[0].w_down.data, mapped)
+    node0 = ShardWeights.from_gguf(gguf_model, Plan.split(gguf_model.config, [1, 1]).shards[0], "reduce")
+    layer = node0.layers[0]
+    for packed in (layer.w_down, layer.wo):
+        assert packed.data.flags.c_contiguous and not np.shares_memory(packed.data, mapped)
+    np.testing.assert_array_equal(layer.w_down.data, gguf_model.matrix("blk.0.ffn_down.weight").col_slice(
+        0, layer.w_down.cols).data)
+    assert np.shares_memory(layer.w_gate.data, gguf_model.file.data("blk.0.ffn_gate.weight"))  # rows: a view
