@@ -73,3 +73,17 @@ def test_column_slices_are_packed_and_whole_matrices_stay_in_the_map(gguf_model)
     np.testing.assert_array_equal(layer.w_down.data, gguf_model.matrix("blk.0.ffn_down.weight").col_slice(
         0, layer.w_down.cols).data)
     assert np.shares_memory(layer.w_gate.data, gguf_model.file.data("blk.0.ffn_gate.weight"))  # rows: a view
+
+
+def test_expert_rows_stay_in_the_map_and_their_column_slices_are_packed(synthetic_model):
+    """A node's hidden units of every expert (row slices) are views of the map; reduce mode's
+    column slices of the down projections are packed."""
+    from dllama.gguf_model import GGUFModel
+    from dllama.model import ShardWeights
+    from dllama.plan import Plan
+
+    model = GGUFModel(synthetic_model("qwen3moe-tiny"))
+    layer = ShardWeights.from_gguf(model, Plan.split(model.config, [1, 1]).shards[1], "reduce").layers[0]
+    assert np.shares_memory(layer.w_gate.data, model.file.data("blk.0.ffn_gate_exps.weight"))
+    assert not np.shares_memory(layer.w_down.data, model.file.data("blk.0.ffn_down_exps.weight"))
+    assert layer.w_down.data.flags.c_contiguous
