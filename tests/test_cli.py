@@ -249,12 +249,15 @@ def test_models_list(model_path):
     assert " pulled " in line and os.path.basename(model_path) in line
 
 
-@pytest.mark.parametrize("arch, flag", [("qwen2", "attn_bias"), ("qwen3", "qk_norm")])
-def test_models_synth_writes_other_architectures(tmp_path, model_path, arch, flag):
+@pytest.mark.parametrize("arch, flag, narrower", [
+    ("qwen2", "attn_bias", []), ("qwen3", "qk_norm", []),
+    ("qwen3moe", "n_experts", ["--dim", "512"]), ("gemma3", "post_norms", ["--dim", "512"]),  # (smaller files)
+])
+def test_models_synth_writes_other_architectures(tmp_path, model_path, arch, flag, narrower):
     from dllama.gguf_model import GGUFModel
 
     path = tmp_path / f"{arch}.gguf"
-    result = dllama("models", "synth", "--arch", arch, "--layers", "1", "--out", str(path))
+    result = dllama("models", "synth", "--arch", arch, "--layers", "1", *narrower, "--out", str(path))
     assert result.returncode == 0, result.stderr
     config = GGUFModel(path).config
     assert config.arch == arch and getattr(config, flag) and config.rope_neox and config.n_layers == 1
