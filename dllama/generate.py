@@ -53,7 +53,7 @@ class Generation:
                                 "recv": per_token(self.decode_stats.bytes_recv)},
             "peak_rss_mb": peak_rss_mb(),
             # each worker's last step: bytes sent/received (one token, after the prompt), RSS
-            "workers": [{"node": n["node"], "up": n["up"], **(n.get("stats") or {})}
+            "workers": [{"node": n["node"], "address": n.get("address"), "up": n["up"], **(n.get("stats") or {})}
                         for n in engine.node_status()[1:]],
         }
 

@@ -425,7 +425,9 @@ def test_a_worker_on_the_network_needs_a_secret(host):
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --host {host} is not a loopback address"), refused.stderr
     for extra, env in ((["--insecure"], {}), ([], {"DLLAMA_SECRET": "s3cret"})):
-        proc = subprocess.Popen(DLLAMA + ["worker", "--host", host, "--port", "0", "--threads", "1", *extra],
+        # not advertised: tests send nothing beyond loopback and their own namespaces
+        proc = subprocess.Popen(DLLAMA + ["worker", "--host", host, "--port", "0", "--threads", "1", "--no-advertise",
+                                          *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, **env})
         try:

@@ -14,6 +14,7 @@ from ..errors import DllamaError
 
 SUBCOMMANDS = {
     "worker": "dllama.cli.worker_cmd:worker",
+    "workers": "dllama.cli.workers_cmd:workers",
     "inference": "dllama.cli.generate_cmd:inference",
     "chat": "dllama.cli.generate_cmd:chat",
     "perplexity": "dllama.cli.generate_cmd:perplexity",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ipaddress
 import os
@@ -15,6 +16,7 @@ from ..errors import DllamaError
 from ..sampling import SamplingParams
 
 DEFAULT_CTX = 4096
+DISCOVER_TIMEOUT = 2.0  # mDNS answers come within ~1 s on a LAN; resolving each takes one more round
 
 
 def run_async(coro):
@@ -43,8 +45,12 @@ def _split_list(values) -> list[str]:
 
 
 def cluster_options(f):
-    @click.option("--workers", "-w", multiple=True, metavar="HOST:PORT",
-                  help="Worker daemons to use (repeat, or separate with commas).")
+    @click.option("--workers", "-w", multiple=True, metavar="HOST:PORT|auto",
+                  help="Worker daemons to use (repeat, or separate with commas); 'auto': every compatible "
+                       "worker advertised on the LAN (mDNS), now and as they appear.")
+    @click.option("--discover-timeout", type=click.FloatRange(0.1), default=None, metavar="S",
+                  help=f"With --workers auto: how long to look for workers before starting "
+                       f"(default {DISCOVER_TIMEOUT:g} s).")
     @click.option("--local-workers", type=click.IntRange(0), default=0,
                   help="Start N worker processes on this machine for this run (N workers + the root).")
     @click.option("--sync", "sync_algo", default="auto", show_default=True,
@@ -127,32 +133,44 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
     from ..registry import resolve_model
     from ..tokenizer import Tokenizer
 
+    listed = _split_list(opts.get("workers") or ())
+    auto = "auto" in listed
+    workers = [_address(a) for a in listed if a != "auto"]
+    if opts.get("discover_timeout") is not None and not auto:
+        fail("--discover-timeout applies to --workers auto")
+    if auto and isinstance(_parse_weights(opts.get("node_weights")), list):
+        fail("--weights with numbers needs a fixed --workers list; with --workers auto use --weights auto or none")
     path = resolve_model(opts.get("model"))
     model = GGUFModel(path)
     cfg = model.config
     ctx = min(opts.get("ctx_size") or min(cfg.context_length, DEFAULT_CTX), cfg.context_length)
     tokenizer = Tokenizer(path, model.chat_template, cfg.bos_id, cfg.eos_id)
-    workers = [_address(a) for a in _split_list(opts.get("workers") or ())]
     n_local = opts.get("local_workers") or 0
     threads = opts.get("threads")
     if n_local and threads is None:  # the root and its local workers share this machine's cores
         threads = max(1, (os.cpu_count() or 1) // (n_local + 1))
     threads = set_threads(threads)
     local = None
-    if workers or n_local:
+    if workers or n_local or auto:
         from ..cluster.local import LocalWorkers
         from ..cluster.root import ClusterEngine
 
         if n_local:
             local = LocalWorkers(n_local, threads, opts.get("secret"), opts.get("timeout", 30.0))
             workers += local.start()
+        browser = None
         try:
+            if auto:
+                browser = await _look_for_workers(opts.get("discover_timeout") or DISCOVER_TIMEOUT, opts.get("secret"))
             engine = await ClusterEngine(
                 model, ctx, workers, algo=opts.get("sync_algo", "auto"), sync_dtype=opts.get("sync_dtype", "f32"),
                 sync_mode=opts.get("sync_mode", "reduce"),
                 weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
-                timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True)).start()
+                timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True),
+                browser=browser).start()  # the engine owns the browser from here
         except BaseException:
+            if browser is not None:
+                await browser.close()  # closing twice is harmless
             if local is not None:
                 local.stop()
             raise
@@ -165,6 +183,26 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
              f"{engine.n_nodes} node(s) ({engine.sync_name} sync, {engine.sync_mode}, {engine.sync_dtype}), "
              f"{threads} thread(s) each")
     return Runtime(engine, tokenizer, path, local)
+
+
+async def _look_for_workers(timeout: float, secret: str | None):
+    """A running mDNS browser, after `timeout` seconds of looking; what it found is told."""
+    from ..net.discovery import Browser
+
+    browser = await Browser().start()
+    try:
+        await asyncio.sleep(timeout)
+    except BaseException:
+        await browser.close()
+        raise
+    found = browser.found()
+    usable = [f"{ad.name} ({ad.host}:{ad.port})" for ad in found if ad.unusable_reason(secret) is None]
+    left_out = [f"{ad.name} ({ad.host}:{ad.port}) {ad.unusable_reason(secret)}" for ad in found
+                if ad.unusable_reason(secret) is not None]
+    info(f"--workers auto: {len(usable)} worker(s) found in {timeout:g} s"
+         + (f": {', '.join(usable)}" if usable else " (more join at the next request as they appear)")
+         + (f"; not used: {'; '.join(left_out)}" if left_out else ""))  # even with --json: it is on stderr
+    return browser
 
 
 def _address(text: str) -> tuple[str, int]:

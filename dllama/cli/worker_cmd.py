@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import click
 
 from ..cluster.slice_cache import default_cache_dir
-from .common import require_credential_off_loopback, run_async
+from .common import fail, is_loopback, require_credential_off_loopback, run_async
 
 
 @click.command()
@@ -30,10 +31,22 @@ from .common import require_credential_off_loopback, run_async
               help="A root that connected must send its first request within S seconds (heartbeats do not count).")
 @click.option("--insecure", is_flag=True,
               help="Allow a --host other than loopback without --secret (anyone who reaches the port may use it).")
+@click.option("--advertise/--no-advertise", default=None,
+              help="Announce this worker on the LAN by mDNS (_dllama._tcp) so `--workers auto` finds it "
+                   "(default: on, unless --host is a loopback address).")
+@click.option("--name", default=None, metavar="NAME",
+              help="Node name in the advertisement and in `dllama workers` (default: the host name).")
 @click.option("--quiet", "-q", is_flag=True, help="Log warnings only.")
-def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, setup_timeout, insecure, quiet):
+def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory, setup_timeout, insecure,
+           advertise, name, quiet):
     """Serve roots: receive a slice of the model, then run forward steps on command."""
     secret = secret or None  # DLLAMA_SECRET= (empty) means no secret
+    if advertise and is_loopback(host):
+        fail(f"--advertise: a worker on {host} cannot be reached from the network; give --host 0.0.0.0 or an "
+             "address of this machine")
+    advertise = not is_loopback(host) if advertise is None else advertise
+    if name is not None and not advertise:
+        fail("--name is the name this worker advertises: it needs advertising (a --host other than loopback)")
     require_credential_off_loopback(host, secret, insecure, what="secret", how="--secret S (or DLLAMA_SECRET)",
                                     whom="this worker")
     from ..cluster.worker import serve
@@ -51,4 +64,4 @@ def worker(host, port, threads, secret, cache_dir, no_cache, timeout, max_memory
     run_async(serve(host, port, threads=threads, secret=secret,
                     cache_dir=None if no_cache else (cache_dir or default_cache_dir()), timeout=timeout,
                     max_memory=None if max_memory is None else max_memory * 1_000_000, setup_timeout=setup_timeout,
-                    announce=announce))
+                    announce=announce, advertise_as=(name or socket.gethostname()) if advertise else None))

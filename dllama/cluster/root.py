@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..engine import PREFILL_CHUNK, Engine
-from ..errors import DllamaError, NetworkError, PeerClosed
+from ..errors import AuthError, DllamaError, NetworkError, PeerClosed, VersionMismatch
 from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, kv_cache_bytes, shard_tensors
 from ..net import connect
@@ -36,6 +36,7 @@ log = logging.getLogger("dllama.root")
 
 BUSY_RETRY_S = 0.1  # a worker still closing its previous session answers "busy" for a moment
 REJOIN_PROBE_EVERY_S = 10.0  # how often requests look for missing workers (each look may wait 1 s)
+DISCOVERED_BUSY_WAIT_S = 5.0  # a found worker still "busy" after this serves another root: left out
 
 
 @dataclass
@@ -74,7 +75,7 @@ class ClusterEngine(Engine):
     def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *, algo: str = "auto",
                  sync_dtype: str = "f32", sync_mode: str = "reduce", weights: list[float] | str | None = None,
                  secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
-                 recover: bool = True):
+                 recover: bool = True, browser=None):
         super().__init__()
         check_sync(sync_mode, sync_dtype)
         self.model_file = model
@@ -99,6 +100,11 @@ class ClusterEngine(Engine):
         self.events: list[str] = []  # failures and recoveries, for logs and /metrics
         self.failed: str | None = None  # set when a failure could not be recovered from
         self._last_probe = 0.0
+        # --workers auto: the LAN's advertised workers join the configured ones; those the handshake
+        # refuses (another version, another secret) are left out for good
+        self.browser = browser
+        self.discovered: set[tuple[str, int]] = set()
+        self.refused: set[tuple[str, int]] = set()
 
     @property
     def n_nodes(self) -> int:
@@ -119,11 +125,25 @@ class ClusterEngine(Engine):
 
     async def start(self) -> "ClusterEngine":
         try:
-            await self._build(self.addresses, tolerate_missing=False)
+            self._add_discovered(starting=True)
+            await self._build(self.addresses, tolerate_missing=self.browser is not None)
         except BaseException:
             await self.close()
             raise
         return self
+
+    def _add_discovered(self, starting: bool = False) -> list[tuple[str, int]]:
+        """Usable workers the browser sees that are not configured yet: they are from now on."""
+        if self.browser is None:
+            return []
+        fresh = [ad for ad in self.browser.usable(self.secret)
+                 if ad.address not in self.refused and ad.address not in self.addresses]
+        for ad in fresh:
+            self.addresses.append(ad.address)
+            self.discovered.add(ad.address)
+            if not starting:  # those found before the start are told by whoever started the search
+                self._event(f"found worker {ad.name} at {ad.host}:{ad.port} on the network")
+        return [ad.address for ad in fresh]
 
     async def _build(self, addresses, tolerate_missing: bool) -> None:
         """A new session over the workers at `addresses` that answer: plan, stream slices, form the
@@ -134,8 +154,14 @@ class ClusterEngine(Engine):
         results = await asyncio.gather(*(self._connect(w, measure) for w in candidates), return_exceptions=True)
         self.workers = []
         for w, result in zip(candidates, results):
-            if isinstance(result, BaseException):
-                if not isinstance(result, NetworkError) or not tolerate_missing:
+            if isinstance(result, (AuthError, VersionMismatch)) and w.address in self.discovered:
+                self._event(f"{w.name} is left out: {result}")  # advertised, but not for this root
+                self.addresses.remove(w.address)
+                self.refused.add(w.address)
+            elif isinstance(result, BaseException):
+                # a discovered worker busy with another root is left out too
+                expected = NetworkError if w.address not in self.discovered else DllamaError
+                if not isinstance(result, expected) or not tolerate_missing:
                     for other in candidates:
                         if other.conn is not None:
                             await other.conn.close()
@@ -171,7 +197,8 @@ class ClusterEngine(Engine):
         self.step = NodeStep(model, self.group, self.sync_dtype)
 
     async def _connect(self, w: WorkerInfo, measure: bool) -> None:
-        deadline = time.monotonic() + self.timeout
+        patience = self.timeout if w.address not in self.discovered else min(self.timeout, DISCOVERED_BUSY_WAIT_S)
+        deadline = time.monotonic() + patience
         while True:
             w.conn = await connect(w.host, w.port, role="control", secret=self.secret, peer_rank=w.rank,
                                    timeout=self.timeout, heartbeat=self.timeout / 4, session=self.session,
@@ -282,19 +309,21 @@ class ClusterEngine(Engine):
                     f"{position} token(s) of context replayed")
 
     async def on_request(self) -> None:
-        """Before a request: configured workers that are missing may have come back; if any
-        answers, re-plan with them (the next prompt rebuilds the cache)."""
+        """Before a request: configured workers that are missing may have come back, and (--workers
+        auto) new ones may have appeared; if any, re-plan with them (the next prompt rebuilds the cache)."""
+        fresh = self._add_discovered()
         present = {w.address for w in self.workers}
-        missing = [a for a in self.addresses if a not in present]
-        if not missing or not self.recover or time.monotonic() - self._last_probe < REJOIN_PROBE_EVERY_S:
+        missing = [a for a in self.addresses if a not in present and a not in fresh]
+        back = []
+        if missing and self.recover and time.monotonic() - self._last_probe >= REJOIN_PROBE_EVERY_S:
+            self._last_probe = time.monotonic()
+            answers = await asyncio.gather(*(_answers(h, p, self.secret) for h, p in missing))
+            back = [a for a, answered in zip(missing, answers) if answered]
+        if not back and not fresh:
             return
-        self._last_probe = time.monotonic()
-        back = await asyncio.gather(*(_answers(h, p, self.secret) for h, p in missing))
-        if not any(back):
-            return
-        self._event(f"{sum(back)} worker(s) answer again; re-planning")
+        self._event(f"{len(back)} worker(s) answer again, {len(fresh)} new; re-planning")
         await self._teardown()
-        await self._build([a for a in self.addresses if a in present or back[missing.index(a)]],
+        await self._build([a for a in self.addresses if a in present or a in back or a in fresh],
                           tolerate_missing=True)
         self.rewind(0)
         self._event(f"re-planned onto {self.n_nodes} node(s)")
@@ -344,7 +373,11 @@ class ClusterEngine(Engine):
         return [[own[i]] + [ws[i] for ws in per_worker] for i in range(len(own))]
 
     async def close(self) -> None:
-        await self._teardown()
+        try:
+            await self._teardown()
+        finally:
+            if self.browser is not None:
+                await self.browser.close()
 
 
 async def _answers(host: str, port: int, secret) -> bool:

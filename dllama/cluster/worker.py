@@ -18,6 +18,7 @@ from .. import __version__
 from ..errors import DllamaError, NetworkError, PeerTimeout
 from ..model import ShardModel, ShardWeights
 from ..net import ConnectionInbox, Listener
+from ..net.discovery import Advertiser
 from ..sync import init_process_group
 from . import messages as M
 from . import protocol as P
@@ -248,13 +249,20 @@ class _Session:
 
 
 async def serve(host: str, port: int, *, threads: int | None, secret: str | None, cache_dir, timeout: float,
-                max_memory: int | None = None, setup_timeout: float = SETUP_TIMEOUT, announce=None) -> None:
-    """Run a worker until SIGINT/SIGTERM. `announce(host, port)` is called once it listens."""
+                max_memory: int | None = None, setup_timeout: float = SETUP_TIMEOUT, announce=None,
+                advertise_as: str | None = None) -> None:
+    """Run a worker until SIGINT/SIGTERM. `announce(host, port)` is called once it listens;
+    with `advertise_as` (a node name) it is announced on the LAN by mDNS too."""
     worker = Worker(threads=threads, secret=secret, cache_dir=cache_dir, timeout=timeout, max_memory=max_memory,
                     setup_timeout=setup_timeout)
     addr = await worker.start(host, port)
     if announce is not None:
         announce(*addr)
+    advertiser = None
+    if advertise_as is not None:
+        advertiser = Advertiser(advertise_as, host, addr[1], threads=threads or 1, secret=secret is not None,
+                                memory=worker.memory_budget, version=__version__)
+        await advertiser.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -262,4 +270,6 @@ async def serve(host: str, port: int, *, threads: int | None, secret: str | None
     try:
         await stop.wait()
     finally:
+        if advertiser is not None:
+            await advertiser.close()  # its goodbye tells the roots at once
         await worker.close()
