@@ -20,10 +20,10 @@ from .gguf_model import GGUFModel
 from .model import ShardModel, ShardWeights
 from .plan import Plan
 from .projection import Reduce
-from .sampling import LogitSummary, SamplingParams, summarize
+from .sampling import LogitSummary, SamplingParams
+from .step import PREFILL_CHUNK, NodeStep, Step
+from .sync_config import SyncConfig
 from .weights import Matrix
-
-PREFILL_CHUNK = 256  # tokens per forward pass while reading a prompt (bounds activation memory)
 
 
 @dataclass
@@ -49,9 +49,7 @@ class Engine:
     config: ModelConfig
     ctx_size: int
     n_nodes: int = 1
-    sync_name: str = "none"
-    sync_dtype: str = "f32"
-    sync_mode: str = "reduce"
+    sync: SyncConfig = SyncConfig()
 
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
 
@@ -69,12 +67,10 @@ class Engine:
         out: list[list[LogitSummary]] = []
         for i in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[i:i + PREFILL_CHUNK]
-            last = i + len(chunk) == len(tokens)
             chunk_targets = None if targets is None else targets[i:i + len(chunk)]
-            if chunk_targets is None and not last:
-                await self._forward(chunk, self.n_cached, params, recent, None, False)
-            else:
-                out += await self._forward(chunk, self.n_cached, params, recent, chunk_targets, True)
+            want_logits = chunk_targets is not None or i + len(chunk) == len(tokens)
+            out += await self._forward(chunk, Step.of(self.n_cached, len(chunk), params, recent, chunk_targets,
+                                                      want_logits))
             self.context += chunk
         return out
 
@@ -99,7 +95,8 @@ class Engine:
         """Every node, whether it takes part, and its figures of the last step."""
         return [{"node": "root", "up": True, "rank": 0}]
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits) -> list[list[LogitSummary]]:
+    async def _forward(self, tokens: list[int], step: Step) -> list[list[LogitSummary]]:
+        """Run `step` on `tokens`: per position whose logits it asks for, one summary per node."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -119,41 +116,35 @@ def _run_to_end(coroutine):
 class LocalEngine(Engine):
     """The whole model in this process: one shard holding everything."""
 
-    def __init__(self, model: GGUFModel, ctx_size: int, sync_dtype: str = "f32"):
+    def __init__(self, model: GGUFModel, ctx_size: int, sync: SyncConfig = SyncConfig()):
         super().__init__()
         self.config = model.config
-        self.sync_dtype = sync_dtype
+        self.sync = sync
         self.embedding: Matrix = model.matrix("token_embd.weight")
         shard = Plan.single(self.config).shards[0]
-        # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results
-        self.model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
-                                Reduce(wide=sync_dtype == "f64"))
-        self.ctx_size = self.model.ctx_size
+        # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results;
+        # either mode is the 1-node result on one node
+        model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
+                           Reduce(wide=sync.dtype == "f64"))
+        self.model = model
+        self.node = NodeStep(model, None, None)  # a node without a group: its sync points are no-ops
+        self.ctx_size = model.ctx_size
         # numba's thread count is per calling thread: hand ours (set_threads) to the compute thread
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="dllama-compute",
                                            initializer=numba.set_num_threads, initargs=(numba.get_num_threads(),))
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits):
+    async def _forward(self, tokens, step):
         # in a thread, so that the event loop (an API server's health checks, a client's
         # disconnect) stays responsive during a long step; the kernels release the GIL. Always
         # the same thread: OpenMP keeps a team of workers per calling thread.
-        return await asyncio.get_running_loop().run_in_executor(
-            self._compute, self._forward_sync, tokens, start, params, recent, targets, want_logits)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._forward_sync, tokens, step)
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False)
 
-    def _forward_sync(self, tokens, start, params, recent, targets, want_logits):
+    def _forward_sync(self, tokens, step):
         t0 = time.perf_counter()
         x = self.embedding.row_values(np.asarray(tokens))
-        h = _run_to_end(self.model.forward(x, start))
-        summaries = []
-        if want_logits:
-            rows = h if targets is not None else h[-1:]
-            logits = self.model.logits(rows)
-            vocab_start = self.model.shard.vocab[0]
-            for i, row in enumerate(logits):
-                summaries.append([summarize(row, vocab_start, params, recent,
-                                            None if targets is None else targets[i])])
+        summaries = _run_to_end(self.node.run(x, step))
         self.stats.compute_s += time.perf_counter() - t0
-        return summaries
+        return [[s] for s in summaries]

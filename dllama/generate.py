@@ -39,9 +39,9 @@ class Generation:
             "finish_reason": self.finish_reason,
             "error": self.error,
             "nodes": engine.n_nodes,
-            "sync": engine.sync_name,
-            "sync_dtype": engine.sync_dtype,
-            "sync_mode": engine.sync_mode,
+            "sync": engine.sync.algo,
+            "sync_dtype": engine.sync.dtype,
+            "sync_mode": engine.sync.mode,
             "tokens_per_s": self.decode_steps / self.decode_s if self.decode_s else 0.0,
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
             "ms_per_token": {

@@ -19,6 +19,7 @@ from .architectures import (architecture_of, check_metadata, check_tensors, expe
 from .config import ModelConfig
 from .errors import ModelError
 from .gguf_file import ArrayInfo, GGUFFile
+from .plan import Plan, shard_tensor_shapes
 from .quant import FORMATS, QType, quantize, requant_target
 from .weights import Experts, Matrix
 
@@ -100,9 +101,6 @@ class GGUFModel:
     def _check_shapes(self, config: ModelConfig) -> None:
         """Every tensor has the shape the config implies (llama.cpp refuses any other; the kernels
         would read past a short one)."""
-        from .model import shard_tensor_shapes  # model.py builds on this module
-        from .plan import Plan
-
         expected = {f"{name}.weight" if not name.endswith(".bias") else name: shape
                     for name, shape in shard_tensor_shapes(config, Plan.single(config).shards[0]).items()}
         expected["token_embd.weight"] = (config.vocab_size, config.dim)

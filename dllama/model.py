@@ -19,7 +19,7 @@ from .gguf_model import GGUFModel
 from .kernels.matmul import Activations
 from .kernels.ops import attention, gelu_mul, rmsnorm, rope, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
-from .plan import Shard
+from .plan import Shard, cache_length
 from .quant import FORMATS
 from .projection import ALONE, Collectives, Gather, Reduce
 from .weights import Experts, Matrix
@@ -170,53 +170,6 @@ def _head_columns(wo: Matrix, start: int, stop: int, shard: Shard) -> Matrix:
         raise DllamaError(f"the attention output is {wo.qtype.name}: its columns are cut in blocks of "
                           f"{FORMATS[wo.qtype].block_size}, but node {shard.node}'s heads are columns {start}-{stop}; "
                           "use --sync-mode gather (rows), or --weights that give it whole blocks") from None
-
-
-def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce") -> dict[str, tuple[int, int] | int]:
-    """The shape of every tensor `shard_tensors` cuts for a shard, by name: (rows, cols) of a
-    matrix, (experts, rows, cols) of a stack of experts, the length of a vector. Leaves out
-    rope_freqs, which only some models have."""
-    hd, dim = config.head_dim, config.dim
-    nq, nkv = shard.n_q_heads * hd, shard.n_kv_heads * hd
-    nf, nrows = shard.ffn[1] - shard.ffn[0], shard.rows[1] - shard.rows[0]
-    by_rows = mode == "gather"
-    shapes: dict[str, tuple[int, int] | int] = {}
-    ffn, n_exp = ("_exps", (config.n_experts,)) if config.n_experts else ("", ())
-    for i in range(config.n_layers):
-        shapes.update({
-            f"blk.{i}.attn_norm": dim, f"blk.{i}.attn_q": (nq, dim), f"blk.{i}.attn_k": (nkv, dim),
-            f"blk.{i}.attn_v": (nkv, dim),
-            f"blk.{i}.attn_output": (nrows, config.n_heads * hd) if by_rows else (dim, nq),
-            f"blk.{i}.ffn_norm": dim, f"blk.{i}.ffn_gate{ffn}": n_exp + (nf, dim),
-            f"blk.{i}.ffn_up{ffn}": n_exp + (nf, dim),
-            f"blk.{i}.ffn_down{ffn}": n_exp + ((nrows, config.ffn_dim) if by_rows else (dim, nf))})
-        if config.n_experts:
-            shapes[f"blk.{i}.ffn_gate_inp"] = (config.n_experts, dim)
-        if config.ffn_bias:
-            shapes.update({f"blk.{i}.ffn_gate.bias": nf, f"blk.{i}.ffn_up.bias": nf})
-        if config.ffn_down_bias:
-            shapes[f"blk.{i}.ffn_down.bias"] = dim
-        if config.post_norms:
-            shapes.update({f"blk.{i}.post_attention_norm": dim, f"blk.{i}.post_ffw_norm": dim})
-        if config.attn_bias:
-            shapes.update({f"blk.{i}.attn_q.bias": nq, f"blk.{i}.attn_k.bias": nkv, f"blk.{i}.attn_v.bias": nkv})
-        if config.attn_out_bias:
-            shapes[f"blk.{i}.attn_output.bias"] = dim
-        if config.qk_norm:
-            shapes.update({f"blk.{i}.attn_q_norm": hd, f"blk.{i}.attn_k_norm": hd})
-    shapes["output_norm"] = dim
-    shapes["output"] = (shard.vocab[1] - shard.vocab[0], dim)
-    return shapes
-
-
-def cache_length(ctx_size: int) -> int:
-    """KV cache positions held for a context: padded to 32, the attention kernel's step."""
-    return -(-ctx_size // 32) * 32
-
-
-def kv_cache_bytes(config: ModelConfig, n_kv_heads: int, ctx_size: int) -> int:
-    """RAM of a node's KV cache (f16 K and V of its KV heads, every layer): what a plan must fit."""
-    return 2 * 2 * config.n_layers * n_kv_heads * config.head_dim * cache_length(ctx_size)
 
 
 class ShardModel:

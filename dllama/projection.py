@@ -27,7 +27,6 @@ from .kernels.matmul import Activations, Q8Activations
 from .quant import QK, QType
 from .weights import Matrix
 
-SYNC_MODES = ("reduce", "gather")
 # weight formats whose matmul quantizes x to Q8
 _Q8_MATMUL = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)
 

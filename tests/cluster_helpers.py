@@ -17,7 +17,6 @@ import numpy as np
 
 from dllama.cluster import messages as M
 from dllama.cluster import protocol as P
-from dllama.cluster.node import NodeStep, projection_of
 from dllama.cluster.root import ClusterEngine
 from dllama.cluster.slices import make_entry, tensor_bytes
 from dllama.cluster.worker import Worker
@@ -27,7 +26,9 @@ from dllama.net import connect
 from dllama.net.frames import pack_msg
 from dllama.plan import Plan
 from dllama.sampling import Sampler, SamplingParams
+from dllama.step import NodeStep, Step
 from dllama.sync import init_process_group
+from dllama.sync_config import SyncConfig
 
 DLLAMA = [sys.executable, "-m", "dllama"]
 
@@ -41,7 +42,7 @@ async def in_process_cluster(model, n_workers: int, *, algo: str = "ring", sync_
                for i in range(n_workers)]
     try:
         addrs = [await w.start("127.0.0.1", 0) for w in workers]
-        engine = await ClusterEngine(model, ctx, addrs, algo=algo, sync_dtype=sync_dtype, sync_mode=sync_mode,
+        engine = await ClusterEngine(model, ctx, addrs, sync=SyncConfig(algo, sync_mode, sync_dtype),
                                      weights=weights, secret=secret, timeout=timeout, spin=0.0, progress=False).start()
         try:
             yield engine, workers
@@ -149,9 +150,9 @@ class HandRoot:
                         manifest=self.manifest, spin=0.0)
         return msgspec.structs.replace(setup, **changes)
 
-    def forward(self, tokens: list[int], start: int = 0, **changes) -> tuple[M.Forward, np.ndarray]:
+    def forward(self, tokens: list[int], start: int = 0, **changes) -> tuple[Step, np.ndarray]:
         """A valid FORWARD of tokens at start (greedy, last logits), and their embeddings."""
-        step = M.Forward(start=start, n=len(tokens), logits="last", params=M.WireSampling.of(GREEDY))
+        step = Step.of(start, len(tokens), GREEDY)
         return msgspec.structs.replace(step, **changes), self.embedding.row_values(np.asarray(tokens))
 
     async def connect(self) -> None:
@@ -196,10 +197,10 @@ class HandRoot:
         kind, body = await self.reply(P.READY)
         assert kind == P.READY.name, body
         model = ShardModel(self.config, self.plan.shards[0], self.own_weights, self.ctx,
-                           projection_of("gather", "f32", self.plan.shards, self.config.head_dim))
-        self.step = NodeStep(model, self.group, "f32")
+                           SyncConfig("star", "gather", "f32").projection(self.plan.shards, self.config.head_dim))
+        self.step = NodeStep(model, self.group, None)
 
-    async def send_step(self, body: dict, activations, run: M.Forward | None,
+    async def send_step(self, body: dict, activations, run: Step | None,
                         activations_kind=P.ACTIVATIONS) -> tuple[str, dict]:
         """Send a FORWARD body and its ACTIVATIONS (an array or raw bytes, in a frame of
         `activations_kind`); `run`: the step the root computes its part of meanwhile (None: the
@@ -209,8 +210,7 @@ class HandRoot:
         own = None
         if run is not None:
             x = np.frombuffer(activations, np.float32).reshape(run.n, self.config.dim)
-            own = asyncio.ensure_future(self.step.run(x, run.start, run.logits, run.params.params(), run.recent,
-                                                      run.targets))
+            own = asyncio.ensure_future(self.step.run(x, run))
         try:
             return await self.reply(P.RESULT)
         finally:
@@ -238,7 +238,7 @@ class HandRoot:
 async def root_answer(model, address: tuple[str, int], prompt: list[int], n: int, secret=None) -> list[int]:
     """The greedy answer of a real root (ClusterEngine) with the worker at `address`, in gather
     mode: bit for bit the 1-node answer (one_node_answer) when the worker computes right."""
-    engine = await ClusterEngine(model, 64, [address], algo="star", sync_mode="gather", sync_dtype="f32",
+    engine = await ClusterEngine(model, 64, [address], sync=SyncConfig("star", "gather", "f32"),
                                  secret=secret, timeout=10.0, spin=0.0, progress=False, recover=False).start()
     try:
         return await greedy_tokens(engine, prompt, n)

@@ -19,6 +19,7 @@ import pytest
 from dllama.engine import LocalEngine
 from dllama.generate import Generator
 from dllama.sampling import SamplingParams, target_logprob
+from dllama.sync_config import SyncConfig
 
 from .cluster_helpers import in_process_cluster
 from .engine_helpers import text
@@ -35,7 +36,7 @@ def _reference(gguf_model, tokenizer, sync_dtype):
     from dllama.net import run
 
     async def compute():
-        engine = LocalEngine(gguf_model, 256, sync_dtype=sync_dtype)
+        engine = LocalEngine(gguf_model, 256, SyncConfig(dtype=sync_dtype))
         gen = await Generator(engine, tokenizer).generate(tokenizer.encode(PROMPT), GREEDY, N_TOKENS)
         forced = tokenizer.encode(text())[:N_FORCED + 1]
         engine.rewind(0)

@@ -19,7 +19,7 @@ from zeroconf import ServiceInfo
 
 from dllama.net.discovery import SERVICE_TYPE, WorkerAd, parse_ad, pick_address
 from dllama.net.frames import PROTOCOL_VERSION
-from dllama.net.netns import NetnsTestbed, NetnsUnavailable
+from dllama.sync.netns import NetnsTestbed, NetnsUnavailable
 
 DLLAMA = [sys.executable, "-m", "dllama"]
 PORT = 9998

@@ -14,6 +14,7 @@ from dllama.model import shard_tensors
 from dllama.plan import Plan
 from dllama.quant import K_QUANTS
 from dllama.sampling import SamplingParams
+from dllama.sync_config import SyncConfig
 
 from .engine_helpers import our_logits, text
 
@@ -62,7 +63,7 @@ async def test_k_quant_cluster(k_model, tokenizer, sync_mode, sync_dtype, n_work
 
     tokens = tokenizer.encode(text())[:49]
     greedy = SamplingParams(temperature=0.0)
-    alone = await LocalEngine(k_model, 64, sync_dtype=sync_dtype).feed(tokens[:-1], greedy, targets=tokens[1:])
+    alone = await LocalEngine(k_model, 64, SyncConfig(dtype=sync_dtype)).feed(tokens[:-1], greedy, targets=tokens[1:])
     async with in_process_cluster(k_model, n_workers, sync_mode=sync_mode, sync_dtype=sync_dtype, ctx=64) as (
             engine, _):
         positions = await engine.feed(tokens[:-1], greedy, targets=tokens[1:])

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dllama.net.netns import NetnsTestbed, NetnsUnavailable
+from dllama.sync.netns import NetnsTestbed, NetnsUnavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

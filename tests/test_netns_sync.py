@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dllama.net.netns import NetnsTestbed, NetnsUnavailable
+from dllama.sync.netns import NetnsTestbed, NetnsUnavailable
 from dllama.sync.bench import format_table
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -24,6 +24,7 @@ from dllama.generate import Generator, _common_prefix
 from dllama.sampling import SamplingParams
 from dllama.server import ServerConfig, make_app
 from dllama.server.app import SERVER
+from dllama.sync_config import SyncConfig
 
 from .server_helpers import (RawStream, ServerThread, children, cli_server, get, metrics, post, request,
                              wait_until)
@@ -458,7 +459,7 @@ def f64_answer(gguf_model, tokenizer):
     def answer(messages, n):
         loop = asyncio.new_event_loop()
         try:
-            return loop.run_until_complete(Generator(LocalEngine(gguf_model, 256, "f64"), tokenizer).generate(
+            return loop.run_until_complete(Generator(LocalEngine(gguf_model, 256, SyncConfig(dtype="f64")), tokenizer).generate(
                 chat_ids(tokenizer, messages), GREEDY, n)).text
         finally:
             loop.close()

@@ -22,6 +22,8 @@ from dllama.cluster.slices import make_entry, tensor_bytes
 from dllama.errors import NetworkError, PeerTimeout
 from dllama.gguf_model import GGUFModel
 from dllama.net.frames import HEADER, KINDS, MAGIC, PROTOCOL_VERSION, pack_msg, unpack_msg
+from dllama.step import Step
+from dllama.wire import InvalidMessage
 
 from .cluster_helpers import HandRoot, WorkerProcess, one_node_answer, root_answer, run_dllama
 
@@ -218,8 +220,8 @@ def _accepted(schema, body, setup=None):
     """The schema's verdict (the worker's must be the same): the decoded message, or None."""
     try:
         message = M.decode(P.SETUP, schema, body)
-        return message.check(setup) if setup is not None else message
-    except M.InvalidMessage:
+        return M.check_forward(message, setup) if setup is not None else message
+    except InvalidMessage:
         return None
 
 
@@ -317,7 +319,7 @@ class PostHandshakeFuzzer:
             where = mutate(rng, body)
         else:
             payload, frame_kind, where = self._mutated_activations(x)
-        run = _accepted(M.Forward, body, self.setup)
+        run = _accepted(Step, body, self.setup)
         if run is not None and not (frame_kind == P.ACTIVATIONS and isinstance(payload, np.ndarray)
                                     and payload.shape == (run.n, root.config.dim) and np.isfinite(payload).all()):
             run = None

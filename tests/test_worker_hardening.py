@@ -27,7 +27,8 @@ from dllama.cluster.slices import TensorEntry
 from dllama.config import ModelConfig
 from dllama.errors import NetworkError
 from dllama.gguf_model import GGUFModel
-from dllama.model import shard_tensor_shapes, shard_tensors
+from dllama.model import shard_tensors
+from dllama.plan import shard_tensor_shapes
 from dllama.net import connect
 from dllama.plan import Plan
 from dllama.quant import QType
@@ -444,12 +445,12 @@ def test_whatever_a_user_may_ask_for_the_root_sends_a_valid_step():
     the worker's schema: a root must never end its workers' sessions with its own message."""
     from dllama.cluster import messages as M
     from dllama.cluster import protocol as P
-    from dllama.engine import PREFILL_CHUNK
+    from dllama.step import PREFILL_CHUNK, Step
+    from dllama.wire import InvalidMessage
     from dllama.sampling import SamplingParams
 
-    step = M.Forward(start=0, n=PREFILL_CHUNK, logits="last",
-                     params=M.WireSampling.of(SamplingParams(temperature=0.7, top_k=3_000_000_000)))
-    assert M.decode(P.FORWARD, M.Forward, M.to_wire(step)).params.top_k == 256
-    too_long = M.to_wire(M.Forward(start=0, n=PREFILL_CHUNK + 1, logits="last", params=step.params))
-    with pytest.raises(M.InvalidMessage, match=r"\$.n"):
-        M.decode(P.FORWARD, M.Forward, too_long)
+    step = Step.of(0, PREFILL_CHUNK, SamplingParams(temperature=0.7, top_k=3_000_000_000))
+    assert M.decode(P.FORWARD, Step, M.to_wire(step)).params.top_k == 256
+    too_long = M.to_wire(Step(start=0, n=PREFILL_CHUNK + 1, logits="last", params=step.params))
+    with pytest.raises(InvalidMessage, match=r"\$.n"):
+        M.decode(P.FORWARD, Step, too_long)

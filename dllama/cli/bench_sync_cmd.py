@@ -121,7 +121,7 @@ def _run_in_process(p, config, timeout, group_kwargs):
 
 
 def _run_netns(p, config, rate, timeout, group_kwargs):
-    from ..net.netns import NetnsTestbed
+    from ..sync.netns import NetnsTestbed
     from ..sync.procs import ChildError
 
     try:

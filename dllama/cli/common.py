@@ -14,6 +14,8 @@ import click
 
 from ..errors import DllamaError
 from ..sampling import SamplingParams
+from ..sync import ALGO_NAMES
+from ..sync_config import SYNC_DTYPES, SYNC_MODES, SyncConfig
 
 DEFAULT_CTX = 4096
 DISCOVER_TIMEOUT = 2.0  # mDNS answers come within ~1 s on a LAN; resolving each takes one more round
@@ -53,13 +55,12 @@ def cluster_options(f):
                        f"(default {DISCOVER_TIMEOUT:g} s).")
     @click.option("--local-workers", type=click.IntRange(0), default=0,
                   help="Start N worker processes on this machine for this run (N workers + the root).")
-    @click.option("--sync", "sync_algo", default="auto", show_default=True,
-                  type=click.Choice(["star", "ring", "mesh", "rd", "rabenseifner", "auto"]),
+    @click.option("--sync", "sync_algo", default="auto", show_default=True, type=click.Choice(ALGO_NAMES),
                   help="All-reduce algorithm between nodes.")
     @click.option("--sync-dtype", "--buffer-float-type", default="f32", show_default=True,
-                  type=click.Choice(["f32", "f64", "f16", "q80"]),
+                  type=click.Choice(SYNC_DTYPES),
                   help="Payload of the sync points; f64 makes results independent of the node count.")
-    @click.option("--sync-mode", default="reduce", show_default=True, type=click.Choice(["reduce", "gather"]),
+    @click.option("--sync-mode", default="reduce", show_default=True, type=click.Choice(SYNC_MODES),
                   help="reduce: one all-reduce of partial sums per sync point (fewest bytes); gather: "
                        "all-gathers, every value computed whole on one node, so any node count gives "
                        "exactly the 1-node result (with --sync-dtype f32 or q80).")
@@ -140,6 +141,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
         fail("--discover-timeout applies to --workers auto")
     if auto and isinstance(_parse_weights(opts.get("node_weights")), list):
         fail("--weights with numbers needs a fixed --workers list; with --workers auto use --weights auto or none")
+    sync = SyncConfig(opts.get("sync_algo", "auto"), opts.get("sync_mode", "reduce"), opts.get("sync_dtype", "f32"))
     path = resolve_model(opts.get("model"))
     model = GGUFModel(path)
     cfg = model.config
@@ -163,9 +165,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
             if auto:
                 browser = await _look_for_workers(opts.get("discover_timeout") or DISCOVER_TIMEOUT, opts.get("secret"))
             engine = await ClusterEngine(
-                model, ctx, workers, algo=opts.get("sync_algo", "auto"), sync_dtype=opts.get("sync_dtype", "f32"),
-                sync_mode=opts.get("sync_mode", "reduce"),
-                weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
+                model, ctx, workers, sync=sync, weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
                 timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True),
                 browser=browser).start()  # the engine owns the browser from here
         except BaseException:
@@ -175,12 +175,12 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
                 local.stop()
             raise
     else:
-        engine = LocalEngine(model, ctx, opts.get("sync_dtype", "f32"))
+        engine = LocalEngine(model, ctx, sync)
     await engine.warm_up()
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "
-             f"{engine.n_nodes} node(s) ({engine.sync_name} sync, {engine.sync_mode}, {engine.sync_dtype}), "
+             f"{engine.n_nodes} node(s) ({engine.sync.algo} sync, {engine.sync.mode}, {engine.sync.dtype}), "
              f"{threads} thread(s) each")
     return Runtime(engine, tokenizer, path, local)
 

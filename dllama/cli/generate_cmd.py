@@ -137,7 +137,7 @@ async def _perplexity(text_file, max_tokens, as_json, opts):
         elapsed = time.perf_counter() - t0
         mean = sum(logprobs) / len(logprobs)
         result = {"perplexity": math.exp(-mean), "mean_logprob": mean, "tokens": len(logprobs),
-                  "nodes": rt.engine.n_nodes, "sync": rt.engine.sync_name, "sync_dtype": rt.engine.sync_dtype,
+                  "nodes": rt.engine.n_nodes, "sync": rt.engine.sync.algo, "sync_dtype": rt.engine.sync.dtype,
                   "tokens_per_s": len(logprobs) / elapsed, "peak_rss_mb": peak_rss_mb()}
         if as_json:
             click.echo(json.dumps(result))

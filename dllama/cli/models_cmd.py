@@ -7,6 +7,7 @@ import os
 
 import click
 
+from ..sync_config import SYNC_MODES
 from ..registry import DEFAULT_MODEL, load_registry, models_dir, pull_model, resolve_model
 
 
@@ -73,7 +74,7 @@ def synth(arch, preset, out, qtype, dim, layers, heads, kv_heads, ffn, tied, see
 @click.option("--nodes", type=click.IntRange(1, 1024), default=1, show_default=True, help="Root + workers.")
 @click.option("--weights", "node_weights", default=None, metavar="W0,W1,..",
               help="Relative share of each node (default: equal).")
-@click.option("--sync-mode", type=click.Choice(["reduce", "gather"]), default="reduce", show_default=True)
+@click.option("--sync-mode", type=click.Choice(SYNC_MODES), default="reduce", show_default=True)
 def plan(model, nodes, node_weights, sync_mode):
     """How MODEL splits across nodes: each node's heads, FFN hidden units (the same units of every
     expert in a mixture of experts), vocabulary rows, and the bytes of weights it holds."""

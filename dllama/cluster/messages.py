@@ -15,48 +15,31 @@ plain msgpack maps, decoded with bounded sizes by dllama.net, then checked with 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Annotated, Literal, Optional, TypeVar
 
-import msgspec
 from msgspec import Meta
 
 from ..config import ModelConfig
-from ..errors import DllamaError
-from ..model import kv_cache_bytes, shard_tensor_shapes
-from ..plan import Shard
-from ..projection import SYNC_MODES
+from ..plan import Shard, kv_cache_bytes, shard_tensor_shapes
 from ..quant import QK, QType
-from ..engine import PREFILL_CHUNK
-from ..sampling import MAX_CANDIDATES, SamplingParams
+from ..step import MAX_CTX, Step, TokenId
 from ..sync import ALGO_NAMES
+from ..sync_config import GATHER_DTYPES, SYNC_DTYPES, SYNC_MODES, SyncConfig
+from ..wire import WireStruct, finite
 from . import protocol as P
 from .slices import TensorEntry
 
 MAX_WORLD = 1024  # nodes in one cluster
-MAX_CTX = 1 << 22  # tokens of context (the memory check bounds it far lower on a real machine)
-MAX_STEP_TOKENS = PREFILL_CHUNK  # tokens of one step: the root never sends more
 
 Positive = Annotated[int, Meta(ge=1)]
 Small = Annotated[int, Meta(ge=1, le=1 << 16)]  # dims, heads, layers
-TokenId = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 Range = tuple[Annotated[int, Meta(ge=0, le=1 << 31)], Annotated[int, Meta(ge=0, le=1 << 31)]]
 Host = Annotated[str, Meta(min_length=1, max_length=255)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Session = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_.-]+$")]
 
 
-class InvalidMessage(DllamaError):
-    """A control message with a field missing, of the wrong type, out of range or inconsistent."""
-
-
-def _finite(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, not {value}")
-
-
-class _Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
+_Message = WireStruct
 
 
 # ------------------------------------------------------------------ root -> worker
@@ -110,7 +93,7 @@ class WireConfig(_Message):
     def __post_init__(self):
         for name in ("rope_base", "rope_freq_scale", "rope_ext_factor", "rope_corr_lo", "rope_corr_hi", "rope_mscale",
                      "embedding_scale", "attn_q_scale", "logit_softcap", "rope_base_local"):
-            _finite(name, getattr(self, name))
+            finite(name, getattr(self, name))
         if (self.n_experts == 0) != (self.n_experts_used == 0) or self.n_experts_used > self.n_experts:
             raise ValueError(f"n_experts_used {self.n_experts_used} does not fit n_experts {self.n_experts}")
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
@@ -160,7 +143,7 @@ class Setup(_Message):
     world: Annotated[int, Meta(ge=2, le=MAX_WORLD)]
     addrs: list[Optional[tuple[Host, Port]]]  # where each rank accepts peers (None: it only dials)
     algo: Literal[ALGO_NAMES]
-    sync_dtype: Literal[tuple(P.CODEC_OF_SYNC_DTYPE)]
+    sync_dtype: Literal[SYNC_DTYPES]
     sync_mode: Literal[SYNC_MODES]
     config: WireConfig
     shards: list[WireShard]
@@ -175,7 +158,7 @@ class Setup(_Message):
             raise ValueError(f"addrs has {len(self.addrs)} entries for world {self.world}")
         if self.addrs[self.rank] is None:
             raise ValueError(f"addrs[{self.rank}] is empty: this worker accepts peers, it has an address")
-        if self.sync_mode == "gather" and self.sync_dtype not in ("f32", "q80"):
+        if self.sync_mode == "gather" and self.sync_dtype not in GATHER_DTYPES:
             raise ValueError(f"sync_mode gather carries f32 or q80, not {self.sync_dtype}")
         if len(self.shards) != self.world:
             raise ValueError(f"shards has {len(self.shards)} entries for world {self.world}")
@@ -248,64 +231,20 @@ class Setup(_Message):
     def shard(self) -> Shard:
         return self.shards[self.rank].shard()
 
+    @property
+    def sync(self) -> SyncConfig:
+        return SyncConfig(self.algo, self.sync_mode, self.sync_dtype)
+
     def declared_bytes(self) -> int:
         """What this worker must hold: its slices and its KV cache."""
         return (sum(e.nbytes for e in self.manifest)
                 + kv_cache_bytes(self.config, self.shard.n_kv_heads, self.ctx_size))
 
 
-class WireSampling(_Message):
-    """SamplingParams as the nodes use them (the seed stays with the root's sampler)."""
-
-    temperature: Annotated[float, Meta(ge=0)]
-    top_k: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
-    top_p: Annotated[float, Meta(ge=0, le=1)]
-    repeat_penalty: Annotated[float, Meta(gt=0)]
-    repeat_last_n: Annotated[int, Meta(ge=0, le=MAX_CTX)]
-
-    def __post_init__(self):
-        _finite("temperature", self.temperature)
-        _finite("repeat_penalty", self.repeat_penalty)
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> "WireSampling":
-        # a node keeps at most MAX_CANDIDATES per position whatever top_k says: send what it uses, so
-        # any top_k a user may ask for stays within the schema
-        return cls(float(params.temperature), min(int(params.top_k), MAX_CANDIDATES), float(params.top_p),
-                   float(params.repeat_penalty), int(params.repeat_last_n))
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n)
-
-
-class Forward(_Message):
-    """One step: n tokens at positions start.., their embeddings follow as ACTIVATIONS (n x dim f32)."""
-
-    start: Annotated[int, Meta(ge=0, lt=MAX_CTX)]
-    n: Annotated[int, Meta(ge=1, le=MAX_STEP_TOKENS)]  # a step's working set grows with n (attention: n^2)
-    logits: Literal["none", "last", "all"]
-    params: WireSampling
-    recent: Annotated[list[TokenId], Meta(max_length=MAX_CTX)] = []  # for the repetition penalty
-    targets: Optional[Annotated[list[TokenId], Meta(max_length=MAX_CTX)]] = None  # perplexity: next tokens
-
-    def check(self, setup: Setup) -> "Forward":
-        """The checks that need the session: the context, the vocabulary, the frame limit."""
-        cfg = setup.config
-        if self.start + self.n > setup.ctx_size:
-            raise InvalidMessage(f"invalid {P.FORWARD.name}: positions {self.start}..{self.start + self.n - 1} "
-                                 f"are outside the context of {setup.ctx_size}")
-        if self.n * cfg.dim * 4 > P.ACTIVATIONS.max_len:
-            raise InvalidMessage(f"invalid {P.FORWARD.name}: n {self.n} tokens of dim {cfg.dim} exceed an "
-                                 f"{P.ACTIVATIONS.name} frame")
-        for name, ids in (("recent", self.recent), ("targets", self.targets or ())):
-            if ids and max(ids) >= cfg.vocab_size:
-                raise InvalidMessage(f"invalid {P.FORWARD.name}: {name} holds token id {max(ids)}, outside the "
-                                     f"vocabulary of {cfg.vocab_size}")
-        if self.targets is not None and (self.logits != "all" or len(self.targets) != self.n):
-            raise InvalidMessage(f"invalid {P.FORWARD.name}: targets must come with logits 'all', one per token "
-                                 f"(got {len(self.targets)} for n {self.n}, logits {self.logits!r})")
-        return self
+def check_forward(step: Step, setup: Setup) -> Step:
+    """The checks of a FORWARD that need the session: the context, the vocabulary, the frame limit."""
+    return step.check(setup.ctx_size, setup.config.dim, setup.config.vocab_size, P.ACTIVATIONS.max_len,
+                      P.FORWARD.name)
 
 
 class Go(_Message):
@@ -363,13 +302,9 @@ M = TypeVar("M", bound=_Message)
 
 
 def to_wire(message: _Message) -> dict:
-    """The msgpack-ready map of a message (bytes stay bytes: msgpack carries them as they are)."""
-    return msgspec.to_builtins(message, builtin_types=(bytes,))
+    return message.to_wire()
 
 
 def decode(kind, schema: type[M], body: dict) -> M:
     """body (a decoded msgpack map of frame kind `kind`) checked against its schema."""
-    try:
-        return msgspec.convert(body, schema)
-    except msgspec.ValidationError as e:
-        raise InvalidMessage(f"invalid {kind.name}: {e}") from None
+    return schema.from_wire(body, kind.name)

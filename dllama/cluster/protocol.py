@@ -38,10 +38,6 @@ RESULT = register_kind("cluster.result", 74, MSG, 64 << 20)
 FAILED = register_kind("cluster.failed", 75, MSG)
 END = register_kind("cluster.end", 76, MSG)
 
-# Payload of the all-reduces. f64: partial sums in float64 end to end, so the result does not
-# depend on the node count or the algorithm (see ShardModel); the others carry float32 partials.
-CODEC_OF_SYNC_DTYPE = {"f32": None, "f64": None, "f16": "f16", "q80": "q80"}
-
 
 def chunks(nbytes: int):
     """(start, stop) byte ranges in which a tensor travels."""

@@ -18,18 +18,21 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from ..engine import PREFILL_CHUNK, Engine
+from ..engine import Engine
 from ..errors import AuthError, DllamaError, NetworkError, PeerClosed, VersionMismatch
 from ..gguf_model import GGUFModel
-from ..model import ShardModel, ShardWeights, kv_cache_bytes, shard_tensors
+from ..model import ShardModel, ShardWeights, shard_tensors
 from ..net import connect
 from ..net.frames import pack_msg
-from ..plan import Plan
+from ..plan import Plan, kv_cache_bytes
 from ..sampling import LogitSummary, SamplingParams
-from ..sync import algo_name, init_process_group
+from ..step import PREFILL_CHUNK, NodeStep, Step
+from ..sync import init_process_group
+from ..sync_config import SyncConfig
+from ..wire import InvalidMessage
 from . import messages as M
 from . import protocol as P
-from .node import NodeStep, check_sync, measure_speed, mem_available, projection_of
+from .node import measure_speed, mem_available
 from .slices import make_entry, tensor_bytes
 
 log = logging.getLogger("dllama.root")
@@ -72,20 +75,17 @@ def parse_address(text: str, default_port: int = 9998) -> tuple[str, int]:
 class ClusterEngine(Engine):
     """Root (rank 0) plus workers (ranks 1..N), one shard each, two sync points per layer."""
 
-    def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *, algo: str = "auto",
-                 sync_dtype: str = "f32", sync_mode: str = "reduce", weights: list[float] | str | None = None,
+    def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *,
+                 sync: SyncConfig = SyncConfig(), weights: list[float] | str | None = None,
                  secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
                  recover: bool = True, browser=None):
         super().__init__()
-        check_sync(sync_mode, sync_dtype)
+        self.sync = sync
         self.model_file = model
         self.config = model.config
         self.ctx_size = ctx_size
         self.addresses = [tuple(a) for a in workers]  # as configured; active ones are in self.workers
         self.workers: list[WorkerInfo] = []
-        self.sync_name = algo
-        self.sync_dtype = sync_dtype
-        self.sync_mode = sync_mode
         self.requested_weights = weights
         self.secret = secret
         self.timeout = timeout
@@ -95,7 +95,7 @@ class ClusterEngine(Engine):
         self.embedding = model.matrix("token_embd.weight")
         self.plan: Plan | None = None
         self.group = None
-        self.step: NodeStep | None = None
+        self.node: NodeStep | None = None  # the root's own shard
         self.session = ""
         self.events: list[str] = []  # failures and recoveries, for logs and /metrics
         self.failed: str | None = None  # set when a failure could not be recovered from
@@ -175,26 +175,25 @@ class ClusterEngine(Engine):
         self.plan = Plan.split(self.config, self._node_weights(measure))
         self._check_memory()
         own = self.plan.shards[0]
-        manifests = [[(make_entry(name, t), t) for name, t in shard_tensors(self.model_file, shard, self.sync_mode)]
+        manifests = [[(make_entry(name, t), t) for name, t in shard_tensors(self.model_file, shard, self.sync.mode)]
                      for shard in self.plan.shards[1:]]
         total = sum(e.nbytes for m in manifests for e, _ in m)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"sending weights to {len(self.workers)} worker(s)",
                   disable=not self.progress or total == 0) as bar:
             await asyncio.gather(*(self._send_setup(w, s, m, bar)
                                    for w, s, m in zip(self.workers, self.plan.shards[1:], manifests)))
-        model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own, self.sync_mode),
-                           self.ctx_size, projection_of(self.sync_mode, self.sync_dtype, self.plan.shards,
-                                                        self.config.head_dim))
+        model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own, self.sync.mode),
+                           self.ctx_size, self.sync.projection(self.plan.shards, self.config.head_dim))
         self.group = None
         if self.workers:
             for w in self.workers:
                 await w.conn.send_msg(P.GO, {})
             addrs = [None] + [w.address for w in self.workers]
-            self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync_name,
+            self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync.algo,
                                                   secret=self.secret, timeout=self.timeout, spin=self.spin)
             for w in self.workers:
                 w.ready = M.to_wire(await self._expect(w, P.READY, M.Ready))
-        self.step = NodeStep(model, self.group, self.sync_dtype)
+        self.node = NodeStep(model, self.group, self.sync.codec)
 
     async def _connect(self, w: WorkerInfo, measure: bool) -> None:
         patience = self.timeout if w.address not in self.discovered else min(self.timeout, DISCOVERED_BUSY_WAIT_S)
@@ -232,7 +231,7 @@ class ClusterEngine(Engine):
     def _check_memory(self) -> None:
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
         for (name, available), shard in zip(nodes, self.plan.shards):
-            weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync_mode))
+            weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode))
             kv_cache = kv_cache_bytes(self.config, shard.n_kv_heads, self.ctx_size)
             if available is not None and weights + kv_cache > available:
                 raise DllamaError(f"model too big for the plan: {name} needs {(weights + kv_cache) / 1e6:.0f} MB "
@@ -241,8 +240,8 @@ class ClusterEngine(Engine):
 
     async def _send_setup(self, w: WorkerInfo, shard, manifest, bar) -> None:
         setup = M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,
-                        addrs=[None] + [x.address for x in self.workers], algo=algo_name(self.sync_name),
-                        sync_dtype=self.sync_dtype, sync_mode=self.sync_mode, config=M.WireConfig.of(self.config),
+                        addrs=[None] + [x.address for x in self.workers], algo=self.sync.algo,
+                        sync_dtype=self.sync.dtype, sync_mode=self.sync.mode, config=M.WireConfig.of(self.config),
                         shards=[M.WireShard.of(s) for s in self.plan.shards], ctx_size=self.ctx_size,
                         manifest=[e for e, _ in manifest], spin=self.spin)
         await w.conn.send_msg(P.SETUP, M.to_wire(setup))
@@ -266,7 +265,7 @@ class ClusterEngine(Engine):
             raise DllamaError(f"{w.name}: {failed.error}")
         try:
             return M.decode(kind, schema, body)
-        except M.InvalidMessage as e:
+        except InvalidMessage as e:
             raise DllamaError(f"{w.name}: {e}") from None
 
     async def _teardown(self, reason: str | None = None) -> None:
@@ -302,8 +301,8 @@ class ClusterEngine(Engine):
         position = 0
         while position < start:
             n = min(PREFILL_CHUNK, start - position)
-            await self._step(self.context[position:position + n], position, SamplingParams(temperature=0.0), [],
-                             None, False)
+            await self._step(self.context[position:position + n],
+                             Step.of(position, n, SamplingParams(temperature=0.0), want_logits=False))
             position += n
         self._event(f"recovered in {time.perf_counter() - t0:.1f} s: {self.n_nodes} node(s), "
                     f"{position} token(s) of context replayed")
@@ -330,14 +329,14 @@ class ClusterEngine(Engine):
 
     # ------------------------------------------------------------------ steps
 
-    async def _forward(self, tokens, start, params, recent, targets, want_logits):
+    async def _forward(self, tokens, step):
         attempts = len(self.addresses) + 1  # each failure costs a node, so this bounds the retries
         failure = None
         while True:
             try:
                 if failure is not None:
-                    await self._recover(failure, start)
-                return await self._step(tokens, start, params, recent, targets, want_logits)
+                    await self._recover(failure, step.start)
+                return await self._step(tokens, step)
             except NetworkError as e:
                 attempts -= 1
                 if not self.recover or attempts < 0:
@@ -345,18 +344,15 @@ class ClusterEngine(Engine):
                     raise
                 failure = e
 
-    async def _step(self, tokens, start, params, recent, targets, want_logits):
+    async def _step(self, tokens, step: Step):
         t0 = time.perf_counter()
         sync0 = self.group.stats if self.group is not None else None
         x = self.embedding.row_values(np.asarray(tokens))
-        logits = "none" if not want_logits else ("all" if targets is not None else "last")
-        packed = pack_msg(M.to_wire(M.Forward(start=start, n=len(tokens), logits=logits,
-                                              params=M.WireSampling.of(params), recent=list(recent),
-                                              targets=targets)))
+        packed = pack_msg(step.to_wire())
         for w in self.workers:
             w.conn.write_frame(P.FORWARD, packed)
             w.conn.write_frame(P.ACTIVATIONS, x)
-        own = await self.step.run(x, start, logits, params, list(recent), targets)
+        own = await self.node.run(x, step)
         replies = await asyncio.gather(*(self._expect(w, P.RESULT, M.Result) for w in self.workers))
         per_worker = []
         for w, reply in zip(self.workers, replies):

@@ -17,12 +17,14 @@ import numpy as np
 from .. import __version__
 from ..errors import DllamaError, NetworkError, PeerTimeout
 from ..model import ShardModel, ShardWeights
+from ..step import NodeStep, Step
+from ..wire import InvalidMessage
 from ..net import ConnectionInbox, Listener
 from ..net.discovery import Advertiser
 from ..sync import init_process_group
 from . import messages as M
 from . import protocol as P
-from .node import NodeStep, measure_speed, mem_available, projection_of, rss_mb
+from .node import measure_speed, mem_available, rss_mb
 from .slice_cache import SliceCache
 from .slices import checksum, from_bytes
 
@@ -178,20 +180,20 @@ class _Session:
             kind, body = await self._recv((P.SETUP,), PLAN_TIMEOUT, "SETUP")
         setup = M.decode(P.SETUP, M.Setup, body)
         t0 = time.perf_counter()
-        step, cached = await self._load(setup)
+        model, cached = await self._load(setup)
         await conn.send_msg(P.LOADED, M.to_wire(M.Loaded(cached)))
         _kind, body = await self._recv((P.GO,), GO_TIMEOUT, "GO")
         M.decode(P.GO, M.Go, body)
         self.group = await init_process_group(
             setup.rank, setup.world, setup.addrs, session=self.session_id, algo=setup.algo,
             secret=self.worker.secret, timeout=self.worker.timeout, incoming=self.worker.inbox, spin=setup.spin)
-        step.group = self.group
+        node = NodeStep(model, self.group, setup.sync.codec)
         await conn.send_msg(P.READY, M.to_wire(M.Ready(rss_mb(), time.perf_counter() - t0, cached)))
         log.info("session %s: rank %d of %d, %s sync (%s, %s), ready", self.session_id, setup.rank, setup.world,
                  setup.algo, setup.sync_mode, setup.sync_dtype)
-        await self._serve_steps(step, setup)
+        await self._serve_steps(node, setup)
 
-    async def _load(self, setup: M.Setup) -> tuple[NodeStep, int]:
+    async def _load(self, setup: M.Setup) -> tuple[ShardModel, int]:
         conn = self.conn
         self.session_id = self.worker.session_id = setup.session
         need, budget = setup.declared_bytes(), self.worker.memory_budget()
@@ -201,8 +203,7 @@ class _Session:
                               + (" (--max-memory)" if self.worker.max_memory is not None else ""))
         self.held_bytes = need
         config, shard = setup.config.model_config(), setup.shard
-        projection = projection_of(setup.sync_mode, setup.sync_dtype, [s.shard() for s in setup.shards],
-                                   config.head_dim)
+        projection = setup.sync.projection([s.shard() for s in setup.shards], config.head_dim)
         vectors = setup.vector_names()
         tensors = {}
         for e in setup.manifest:  # a cached slice is used only if its bytes still match its checksum
@@ -223,23 +224,22 @@ class _Session:
         model = ShardModel(config, shard, weights, setup.ctx_size, projection)
         log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(setup.manifest),
                  len(setup.manifest) - len(missing), weights.nbytes / 1e6)
-        return NodeStep(model, None, setup.sync_dtype), len(setup.manifest) - len(missing)
+        return model, len(setup.manifest) - len(missing)
 
-    async def _serve_steps(self, step: NodeStep, setup: M.Setup) -> None:
+    async def _serve_steps(self, node: NodeStep, setup: M.Setup) -> None:
         conn, dim = self.conn, setup.config.dim
         while True:
             # no deadline for the next step: a user may think for minutes. The connection's
             # watchdog still fails a root that stops sending anything, heartbeats included.
             _kind, body = await self._recv((P.FORWARD,), None, "FORWARD")
-            forward = M.decode(P.FORWARD, M.Forward, body).check(setup)
-            x = np.empty((forward.n, dim), np.float32)
+            step = M.check_forward(M.decode(P.FORWARD, Step, body), setup)
+            x = np.empty((step.n, dim), np.float32)
             await conn.recv_array(x, kind=P.ACTIVATIONS, timeout=self.worker.timeout)
             if not np.isfinite(x).all():
-                raise M.InvalidMessage(f"invalid {P.ACTIVATIONS.name}: not every value is finite (NaN or infinity)")
+                raise InvalidMessage(f"invalid {P.ACTIVATIONS.name}: not every value is finite (NaN or infinity)")
             stats0 = self.group.stats
             t0 = time.perf_counter()
-            summaries = await step.run(x, forward.start, forward.logits, forward.params.params(), forward.recent,
-                                       forward.targets)
+            summaries = await node.run(x, step)
             stats = self.group.stats
             await conn.send_msg(P.RESULT, M.to_wire(M.Result(
                 [s.to_wire() for s in summaries],

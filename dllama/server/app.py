@@ -106,7 +106,7 @@ class ServerState:
         body = {"status": "error" if problem else "ok", "model": self.config.model_name,
                 "nodes": sum(n["up"] for n in nodes),
                 "node_status": {n["node"]: "up" if n["up"] else "down" for n in nodes},
-                "sync": engine.sync_name, "sync_dtype": engine.sync_dtype, "sync_mode": engine.sync_mode,
+                "sync": engine.sync.algo, "sync_dtype": engine.sync.dtype, "sync_mode": engine.sync.mode,
                 "context": engine.ctx_size,
                 "queue_length": self.queue_length(), "running": self.running()}
         if problem:
@@ -281,9 +281,10 @@ class ServerState:
     def metrics_text(self) -> str:
         engine = self.engine
         nodes = self.nodes()
+        sync = None if engine is None else engine.sync
         info = {"model": self.config.model_name or "", "version": __version__,
-                "sync": getattr(engine, "sync_name", ""), "sync_dtype": getattr(engine, "sync_dtype", ""),
-                "sync_mode": getattr(engine, "sync_mode", "")}
+                "sync": sync.algo if sync else "", "sync_dtype": sync.dtype if sync else "",
+                "sync_mode": sync.mode if sync else ""}
         families = self.metrics.families(
             ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=len(getattr(engine, "events", ())),

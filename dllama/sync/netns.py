@@ -104,7 +104,7 @@ class NetnsTestbed:
     def cluster(self, target: str, args=(), **kwargs):
         """A ProcessCluster with rank i on host i (not started: use it as a context manager).
         Busy-polling is off by default: the hosts share this machine's cores."""
-        from ..sync.procs import ProcessCluster
+        from .procs import ProcessCluster
         group_kwargs = {"spin": 0.0, **kwargs.pop("group_kwargs", {})}
         return ProcessCluster(self.p, target, args, hosts=self.addresses,
                               prefixes=[self.prefix(i) for i in range(self.p)], group_kwargs=group_kwargs, **kwargs)
