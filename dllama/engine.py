@@ -54,6 +54,7 @@ class Engine:
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
 
     def __init__(self):
+        self.events: list[str] = []  # failures and recoveries of a cluster, for logs, /health and /metrics
         self.context: list[int] = []  # the tokens in the KV cache, in order
         self.stats = StepStats()
         self.lock = asyncio.Lock()  # one generation at a time drives the engine
@@ -92,8 +93,10 @@ class Engine:
         """Called before each generation (a cluster may re-admit workers that came back)."""
 
     def node_status(self) -> list[dict]:
-        """Every node, whether it takes part, and its figures of the last step."""
-        return [{"node": "root", "up": True, "rank": 0}]
+        """Every node (the root first): {"node": name, "address": "host:port" (None for the root),
+        "up", "rank", "share" (of the FFN hidden units, the unit --weights divides), "stats" (its
+        figures of the last step, None for the root)}."""
+        return [{"node": "root", "address": None, "up": True, "rank": 0, "share": 1.0, "stats": None}]
 
     async def _forward(self, tokens: list[int], step: Step) -> list[list[LogitSummary]]:
         """Run `step` on `tokens`: per position whose logits it asks for, one summary per node."""

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,10 @@ from ..errors import DllamaError
 from ..sampling import SamplingParams
 from ..sync import ALGO_NAMES
 from ..sync_config import SYNC_DTYPES, SYNC_MODES, SyncConfig
+
+if TYPE_CHECKING:  # imported by the commands that run a model, when they run it
+    from ..engine import Engine
+    from ..tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
 DISCOVER_TIMEOUT = 2.0  # mDNS answers come within ~1 s on a LAN; resolving each takes one more round
@@ -102,8 +107,8 @@ def sampling_params(opts: dict) -> SamplingParams:
 class Runtime:
     """What a model command needs: the engine, the tokenizer, and what to stop at the end."""
 
-    engine: object
-    tokenizer: object
+    engine: Engine
+    tokenizer: Tokenizer
     model_path: str
     local_workers: object = None
 

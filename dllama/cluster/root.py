@@ -97,7 +97,6 @@ class ClusterEngine(Engine):
         self.group = None
         self.node: NodeStep | None = None  # the root's own shard
         self.session = ""
-        self.events: list[str] = []  # failures and recoveries, for logs and /metrics
         self.failed: str | None = None  # set when a failure could not be recovered from
         self._last_probe = 0.0
         # --workers auto: the LAN's advertised workers join the configured ones; those the handshake
@@ -113,13 +112,20 @@ class ClusterEngine(Engine):
     def node_status(self) -> list[dict]:
         """Every configured node and whether it takes part now."""
         active = {w.address: w for w in self.workers}
-        status = [{"node": "root", "up": True, "rank": 0}]
+        status = [{"node": "root", "address": None, "up": True, "rank": 0, "share": self._share(0), "stats": None}]
         for address in self.addresses:
             w = active.get(address)
             name = w.name if w else f"worker ({address[0]}:{address[1]})"
             status.append({"node": name, "address": f"{address[0]}:{address[1]}", "up": w is not None,
-                           "rank": w.rank if w else None, "stats": w.last_stats if w else None})
+                           "rank": w.rank if w else None, "share": self._share(w.rank) if w else 0.0,
+                           "stats": w.last_stats if w else None})
         return status
+
+    def _share(self, rank: int) -> float:
+        if self.plan is None or rank >= len(self.plan.shards):
+            return 0.0
+        start, stop = self.plan.shards[rank].ffn
+        return (stop - start) / self.config.ffn_dim
 
     # ------------------------------------------------------------------ building a session
 

@@ -111,9 +111,8 @@ class ServerState:
                 "queue_length": self.queue_length(), "running": self.running()}
         if problem:
             body["error"] = problem
-        events = getattr(engine, "events", None)
-        if events:
-            body["last_event"] = events[-1]  # the cluster's last failure or recovery
+        if engine.events:
+            body["last_event"] = engine.events[-1]  # the cluster's last failure or recovery
         return (503 if problem else 200), body
 
     def status(self) -> dict:
@@ -134,28 +133,18 @@ class ServerState:
         """Each node: name, address (None for the root: this server), share of the FFN rows (the
         unit that --weights divides), up, ms of its last step and RSS. The root has no step figures
         of its own: it gets the last answer's wall time per token and this process's RSS."""
-        engine = self.engine
-        if engine is None:
-            return []
-        plan = getattr(engine, "plan", None)
         last = self.metrics.last or {}
         details = []
         for i, node in enumerate(self.nodes()):
-            stats, rank = node.get("stats") or {}, node.get("rank")
-            if plan is None:  # one process holds the whole model
-                share = 1.0 if node["up"] else 0.0
-            elif node["up"] and rank is not None and rank < len(plan.shards):
-                start, stop = plan.shards[rank].ffn
-                share = (stop - start) / engine.config.ffn_dim
-            else:
-                share = 0.0
+            stats = node.get("stats") or {}
             if i == 0:
                 ms = last.get("ms_per_token", {}).get("total")
                 rss = rss_mb()
             else:
                 ms = stats["step_s"] * 1e3 if "step_s" in stats else None
                 rss = stats.get("rss_mb")
-            details.append({"node": node["node"], "address": node.get("address"), "up": node["up"], "share": share,
+            details.append({"node": node["node"], "address": node.get("address"), "up": node["up"],
+                            "share": node["share"] if node["up"] else 0.0,
                             "ms_per_token": ms, "rss_mb": rss})
         return details
 
@@ -287,8 +276,8 @@ class ServerState:
                 "sync_mode": sync.mode if sync else ""}
         families = self.metrics.families(
             ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
-            running=self.running(), nodes=nodes, info=info, events=len(getattr(engine, "events", ())),
-            ctx_size=getattr(engine, "ctx_size", 0), kv_cached=getattr(engine, "n_cached", 0),
+            running=self.running(), nodes=nodes, info=info, events=0 if engine is None else len(engine.events),
+            ctx_size=0 if engine is None else engine.ctx_size, kv_cached=0 if engine is None else engine.n_cached,
             connections=self.connections)
         return prom.render(families)
 
