@@ -14,6 +14,7 @@ all nodes at once, and the FFN's one sync point stays where the dense FFN has it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,14 +32,14 @@ class Routes:
     experts: np.ndarray
     weights: np.ndarray
 
-    def tokens_of(self):
-        """(expert, flat slot indices t*k+j that use it) for every expert some token chose."""
+    @cached_property
+    def by_expert(self) -> list[tuple[int, np.ndarray]]:
+        """(expert, flat slot indices t*k+j that use it) for every expert some token chose; found
+        once, for the up/gate and the down projections alike."""
         flat = self.experts.reshape(-1)
         order = np.argsort(flat, kind="stable")
         cuts = np.flatnonzero(np.diff(flat[order])) + 1
-        for slots in np.split(order, cuts):
-            if len(slots):
-                yield int(flat[slots[0]]), slots
+        return [(int(flat[slots[0]]), slots) for slots in np.split(order, cuts) if len(slots)]
 
 
 def route(logits: np.ndarray, k: int) -> Routes:
@@ -57,7 +58,7 @@ def expert_activations(h: Activations, routes: Routes, gate: Experts, up: Expert
     j-th expert e, in row t*k + j: (T*k, hidden units)."""
     k = routes.experts.shape[1]
     out = np.empty((routes.experts.size, gate.rows), np.float32)
-    for e, slots in routes.tokens_of():
+    for e, slots in routes.by_expert:
         x = h.take(slots // k)
         out[slots] = silu_mul(gate[e].matmul(x), up[e].matmul(x))
     return out
@@ -84,7 +85,7 @@ class RoutedDown:
         a = a if isinstance(a, Activations) else Activations(a)
         T, k = self.routes.experts.shape
         per_slot = np.empty((T * k, self.rows), np.float64 if wide else np.float32)
-        for e, slots in self.routes.tokens_of():
+        for e, slots in self.routes.by_expert:
             per_slot[slots] = self.down[e].matmul(a.take(slots), wide=wide)
         weighted = per_slot.reshape(T, k, self.rows) * self.routes.weights[:, :, None].astype(per_slot.dtype)
         out = weighted[:, 0].copy()

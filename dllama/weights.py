@@ -87,11 +87,6 @@ class Experts:
         """A compact in-RAM copy of the stack (of a strided slice)."""
         return Experts(self.qtype, self.n, self.rows, self.cols, np.ascontiguousarray(self.data))
 
-    def as_matrix(self) -> Matrix:
-        """The experts one after the other, as one matrix (a copy if the stack is a strided slice)."""
-        data = np.ascontiguousarray(self.data)
-        return Matrix(self.qtype, self.n * self.rows, self.cols, data.reshape(self.n * self.rows, data.shape[2]))
-
     def row_slice(self, start: int, stop: int) -> "Experts":
         return Experts(self.qtype, self.n, stop - start, self.cols, self.data[:, start:stop])
 

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from dllama.cluster.slices import from_bytes, make_entry, tensor_bytes
 from dllama.kernels.matmul import Activations
 from dllama.kernels.ops import silu_mul_ref, softmax_ref
 from dllama.moe import RoutedDown, expert_activations, route
@@ -73,9 +74,10 @@ def test_a_node_s_slice_of_every_expert_adds_up_to_the_whole(qtype):
     np.testing.assert_allclose(parts[0] + parts[1], whole, rtol=1e-9, atol=1e-9)
     # slices are views of the stack: no copy of any expert
     assert np.shares_memory(gate.row_slice(32, 96).data, gate.data)
-    # as it travels: one matrix of every expert's rows, expert after expert, and back
+    # as it travels to a worker: one matrix of every expert's rows, expert after expert, and back
     sliced = gate.row_slice(32, 96)
-    again = Experts.of(sliced.as_matrix(), N_EXPERTS)
+    arrived = from_bytes(make_entry("blk.0.ffn_gate_exps", sliced), tensor_bytes(sliced).copy())
+    again = Experts.of(arrived, N_EXPERTS)
     np.testing.assert_array_equal(again.data, sliced.data)
 
 

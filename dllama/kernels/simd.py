@@ -20,6 +20,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant import IQ4_NL_VALUES
+
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 _LANES = 8
@@ -73,21 +75,21 @@ def _hsum8(builder, acc):
 
 _X86_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
 _AARCH64 = llvm_binding.get_process_triple().startswith(("aarch64", "arm64"))
-IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # GGML's kvalues_iq4nl
+IQ4_NL_LEVELS = tuple(int(v) for v in IQ4_NL_VALUES)  # as i8 constants
 
 
 def _iq4_nl_values(builder, nibbles):
     """<16 x i8> indices 0..15 -> IQ4_NL's non-linear values: one table lookup instruction
     (x86 pshufb, AArch64 tbl), or a select per entry elsewhere."""
-    table = _const_vec(_I8, IQ4_NL_VALUES)
+    table = _const_vec(_I8, IQ4_NL_LEVELS)
     if _X86_AVX2:
         pshufb = _intrinsic_fn(builder, "llvm.x86.ssse3.pshuf.b.128", _vec(_I8, 16), [_vec(_I8, 16)] * 2)
         return builder.call(pshufb, [table, nibbles])
     if _AARCH64:
         tbl = _intrinsic_fn(builder, "llvm.aarch64.neon.tbl1.v16i8", _vec(_I8, 16), [_vec(_I8, 16)] * 2)
         return builder.call(tbl, [table, nibbles])
-    out = _const_vec(_I8, [IQ4_NL_VALUES[0]] * 16)
-    for k, value in enumerate(IQ4_NL_VALUES[1:], start=1):
+    out = _const_vec(_I8, [IQ4_NL_LEVELS[0]] * 16)
+    for k, value in enumerate(IQ4_NL_LEVELS[1:], start=1):
         out = builder.select(builder.icmp_unsigned("==", nibbles, _const_vec(_I8, [k] * 16)),
                              _const_vec(_I8, [value] * 16), out)
     return out
