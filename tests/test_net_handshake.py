@@ -11,11 +11,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from dllama.errors import AuthError, MalformedFrame, PeerAborted, VersionMismatch
+from dllama.errors import AuthError, MalformedFrame, PeerAborted, PeerClosed, VersionMismatch
 from dllama.net import HEADER, MAGIC, PROTOCOL_VERSION, Listener, connect
 from dllama.net import frames as F
 
-from .sync_helpers import daemon_dispatch
 
 
 class Recorder:
@@ -200,22 +199,35 @@ async def test_oversized_frame_after_handshake_names_the_peer(served):
         await conn.recv_msg(timeout=5)
 
 
-async def test_inbox_dispatch_by_role_and_session():
-    """The worker-daemon pattern: one port, control connections to the daemon, peer
-    connections parked per (session, rank) until the sync group takes them."""
-    dispatch, control, inbox = daemon_dispatch()
-    async with Listener(dispatch) as listener:
-        await listener.start("127.0.0.1", 0)
-        root = await connect("127.0.0.1", listener.port, role="control")
-        peer_a = await connect("127.0.0.1", listener.port, role="peer", rank=1, session="s1")
-        peer_b = await connect("127.0.0.1", listener.port, role="peer", rank=1, session="s2")
-        ctl = await control.get()
-        await root.send_msg("message", {"cmd": "ping"})
-        assert (await ctl.recv_msg())[1] == {"cmd": "ping"}
-        got_b = await inbox.take("s2", 1, timeout=2)
-        got_a = await inbox.take("s1", 1, timeout=2)
-        assert got_a.hello.session == "s1" and got_b.hello.session == "s2"
+async def test_a_worker_daemon_parks_only_the_peers_of_its_session():
+    """The worker daemon's one port: a root's control connection is served, a peer connection of
+    the session in progress is parked until its sync group takes it, and a peer of no session or
+    of another one is hung up on (it would wait in the inbox for ever)."""
+    from dllama.cluster import messages as M
+    from dllama.cluster import protocol as P
+    from dllama.cluster.worker import Worker
+
+    worker = Worker(timeout=5)
+    host, port = await worker.start("127.0.0.1", 0)
+    conns = []
+    try:
+        stray = await connect(host, port, role="peer", rank=1, session="s1")
+        conns.append(stray)
+        with pytest.raises(PeerClosed):  # no session yet: hung up on, not parked (that would time out)
+            await stray.recv_msg(timeout=5)
+        root = await connect(host, port, role="control")
+        conns.append(root)
+        await root.send_msg(P.PROBE, M.Probe(False).to_wire())
+        assert (await root.recv_msg((P.PROBED, P.FAILED), timeout=10))[0] == P.PROBED.name
+        worker.session_id = "s1"  # what this root's SETUP would set
+        conns += [await connect(host, port, role="peer", rank=1, session=s) for s in ("s1", "s2")]
+        got = await worker.inbox.take("s1", 1, timeout=2)
+        assert got.hello.session == "s1"
+        with pytest.raises(PeerClosed):
+            await conns[-1].recv_msg(timeout=5)
         with pytest.raises(Exception, match="did not connect within"):
-            await inbox.take("s1", 2, timeout=0.1)
-        for c in (root, peer_a, peer_b):
+            await worker.inbox.take("s2", 1, timeout=0.1)
+    finally:
+        for c in conns:
             await c.close()
+        await worker.close()

@@ -20,6 +20,8 @@ from dllama.model import ShardModel, ShardWeights
 from dllama.plan import Plan, Shard, split_units
 from dllama.projection import Gather
 from dllama.quant import QK
+from dllama.step import NodeStep
+from dllama.sync import local_cluster
 
 from .engine_helpers import compare, our_logits, shard_model, text
 
@@ -163,40 +165,16 @@ def test_plan_properties(cfg, weights):
 # ------------------------------------------------------------------ a split model computes the whole model
 
 
-class _InProcessGroup:
-    """Collectives for n coroutines of one process (the model-level tests; the cluster tests run
-    the real ones over sockets): every rank gets the same result, assembled in rank order."""
-
-    def __init__(self, n: int):
-        self.n, self.parts, self.barrier = n, {}, asyncio.Barrier(n)
-
-    def __call__(self, rank: int):
-        return _Rank(self, rank)
-
-
-class _Rank:
-    def __init__(self, group: _InProcessGroup, rank: int):
-        self.g, self.rank = group, rank
-
-    async def _exchange(self, part, combine):
-        self.g.parts[self.rank] = part.copy()
-        await self.g.barrier.wait()
-        result = combine([self.g.parts[r] for r in range(self.g.n)])
-        await self.g.barrier.wait()
-        return result
-
-    async def all_reduce(self, partial):
-        def total(parts):
-            out = parts[0].copy()
-            for p in parts[1:]:
-                out += p
-            return out
-
-        return await self._exchange(partial, total)
-
-    async def all_gather(self, part, counts):
-        assert part.size == counts[self.rank]
-        return await self._exchange(part.reshape(-1), np.concatenate)
+async def _run_nodes(shards, steps) -> list[np.ndarray]:
+    """Every node's residuals after the forward passes `steps` ((x, start) each), the nodes joined
+    by real sync groups over loopback sockets, as a cluster's nodes are (NodeStep)."""
+    async with local_cluster(len(shards), algo="ring") as groups:
+        nodes = [NodeStep(m, g, None) for m, g in zip(shards, groups)]
+        hs = None
+        for x, start in steps:
+            out = await asyncio.gather(*(node.model.forward(x, start, node) for node in nodes))
+            hs = out if hs is None else [np.concatenate([a, b]) for a, b in zip(hs, out)]
+    return hs
 
 
 @pytest.mark.parametrize("weights", [[1, 1], [2, 1, 1], [1, 1, 1, 1, 1]], ids=["2", "2-1-1", "5"])
@@ -209,12 +187,8 @@ async def test_split_model_matches_the_whole_model(synthetic_model, weights):
     tokens = [t % cfg.vocab_size for t in range(100, 100 + 40 * 37, 37)]
     x = model.matrix("token_embd.weight").row_values(np.array(tokens))
     shards = [ShardModel(cfg, s, ShardWeights.from_gguf(model, s), 64) for s in plan.shards]
-    group = _InProcessGroup(len(shards))
     # a prefill chunk, then decode steps that read the KV cache
-    hs = await asyncio.gather(*(m.forward(x[:30], 0, group(i)) for i, m in enumerate(shards)))
-    for i in range(30, 40):
-        step = await asyncio.gather(*(m.forward(x[i:i + 1], i, group(r)) for r, m in enumerate(shards)))
-        hs = [np.concatenate([a, b]) for a, b in zip(hs, step)]
+    hs = await _run_nodes(shards, [(x[:30], 0)] + [(x[i:i + 1], i) for i in range(30, 40)])
     for h in hs[1:]:  # every node ends with bit-identical residuals
         np.testing.assert_array_equal(h, hs[0])
     logits = np.concatenate([m.logits(hs[0]) for m in shards], axis=1)
@@ -228,9 +202,8 @@ async def test_split_default_model_three_nodes(gguf_model, tokenizer):
     tokens = tokenizer.encode(text())[:48]
     plan = Plan.split(gguf_model.config, [2, 1, 1])
     shards = [ShardModel(gguf_model.config, s, ShardWeights.from_gguf(gguf_model, s), 64) for s in plan.shards]
-    group = _InProcessGroup(3)
     x = gguf_model.matrix("token_embd.weight").row_values(np.array(tokens))
-    hs = await asyncio.gather(*(m.forward(x, 0, group(i)) for i, m in enumerate(shards)))
+    hs = await _run_nodes(shards, [(x, 0)])
     logits = np.concatenate([m.logits(hs[0]) for m in shards], axis=1)
     figures = compare(await our_logits(gguf_model, tokens), logits)
     # partial sums in another order: one-ulp differences, which this model amplifies to KL ~5e-3
@@ -255,11 +228,7 @@ async def test_gather_mode_computes_the_whole_model_bit_for_bit(synthetic_model,
     tokens = [t % cfg.vocab_size for t in range(100, 100 + 24 * 37, 37)]
     x = model.matrix("token_embd.weight").row_values(np.array(tokens))
     shards = [ShardModel(cfg, s, ShardWeights.from_gguf(model, s, "gather"), 64, gather) for s in plan.shards]
-    group = _InProcessGroup(len(shards))
-    hs = await asyncio.gather(*(m.forward(x[:20], 0, group(i)) for i, m in enumerate(shards)))
-    for i in range(20, 24):
-        step = await asyncio.gather(*(m.forward(x[i:i + 1], i, group(r)) for r, m in enumerate(shards)))
-        hs = [np.concatenate([a, b]) for a, b in zip(hs, step)]
+    hs = await _run_nodes(shards, [(x[:20], 0)] + [(x[i:i + 1], i) for i in range(20, 24)])
     one = shard_model(model, 64)  # the 1-node model, the same forward passes
     h = np.concatenate([await one.forward(x[:20], 0)] + [await one.forward(x[i:i + 1], i) for i in range(20, 24)])
     for ours in hs:
