@@ -1,0 +1,59 @@
+"""The layers README.md lists ("How it works") are the real ones: every import inside dllama/ runs
+from a module to one on its own line of that list or above it, never to a higher layer."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_layers() -> dict[str, int]:
+    text = (ROOT / "README.md").read_text()
+    layers = {}
+    for number, line in re.findall(r"^(\d+)\. (`[^:]+):", text, re.M):
+        for name in re.findall(r"`([\w]+)`", line):
+            layers[name] = int(number)
+    return layers
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level unit of dllama) of every import of a dllama module in `path`."""
+    parts = path.relative_to(ROOT).with_suffix("").parts  # ("dllama", unit, ...)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            target = list(parts[:-1][:len(parts) - node.level]) + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.split(".")[0] == "dllama":
+            target = node.module.split(".")
+        else:
+            continue
+        names = [target[1]] if len(target) > 1 else [a.name for a in node.names]
+        found += [(node.lineno, name) for name in names if not name.startswith("__version")]
+    return found
+
+
+def test_the_readme_lists_every_module():
+    layers = readme_layers()
+    units = {p.stem if p.is_file() else p.name for p in (ROOT / "dllama").iterdir()
+             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))} - {"__init__"}
+    assert units - set(layers) == set(), "modules missing from README's layers"
+    assert set(layers) - units == set(), "README names modules that do not exist"
+
+
+def test_no_import_runs_to_a_higher_layer():
+    layers = readme_layers()
+    upward = []
+    for path in sorted((ROOT / "dllama").rglob("*.py")):
+        unit = path.relative_to(ROOT / "dllama").parts[0].removesuffix(".py")
+        if unit == "__init__":
+            continue
+        for line, target in imports_of(path):
+            if layers[target] > layers[unit]:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({unit}, layer {layers[unit]}) imports {target} "
+                              f"(layer {layers[target]})")
+    assert not upward, "\n".join(upward)
