@@ -17,8 +17,8 @@ from .group import (
     ProcessGroup,
     SyncStats,
     algo_name,
-    init_process_group,
 )
+from .rendezvous import init_process_group
 from .local import local_cluster
 from .ops import OPS, loc_array, loc_dtype
 from .procs import ProcessCluster, run_processes

@@ -1,5 +1,5 @@
 """ProcessGroup: the collective API (torch.distributed / mpi4py style, async, numpy arrays) over a
-full mesh of dllama.net connections, and `init_process_group` to build one.
+full mesh of dllama.net connections (`init_process_group`, in rendezvous.py, builds one).
 
     group = await init_process_group(rank, world, addrs, session="s1", algo="auto")
     await group.all_reduce(partial, op="sum", codec="q80")   # in place, returns `partial`
@@ -13,21 +13,20 @@ PeerAborted naming the failed peer), and the group is unusable afterwards.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import NetworkError, PeerAborted, PeerError, ProtocolError
-from ..net import ConnectionInbox, Listener, PeerRef, connect
+from ..errors import NetworkError, PeerAborted, PeerError
+from ..net import Listener
 from ..net import frames as F
-from ..net.connection import DEFAULT_MAX_FRAME
 from .auto import Auto
 from .base import Comm, split
+from . import layout as L
 from .codecs import CODECS, get_codec
 from .mesh import Mesh
-from .ops import NUMERIC_DTYPES, _is_loc, check_op, get_op
+from .ops import check_op, get_op
 from .rabenseifner import Rabenseifner
 from .recursive_doubling import RecursiveDoubling
 from .reducer import Reducer, Scratch
@@ -59,28 +58,6 @@ class SyncStats(NamedTuple):
     seconds: float  # wall time spent inside collectives
     bytes_sent: int  # on the wire, headers included
     bytes_recv: int
-
-
-def _flat(a, what="array", writable=True) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{what} must be a numpy array, not {type(a).__name__}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous (np.ascontiguousarray makes it so)")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{what} is read-only")
-    if a.dtype.hasobject:
-        raise TypeError(f"{what} has an object dtype; only plain numeric data can be sent")
-    return a.reshape(-1)
-
-
-def _offsets(counts, size, what) -> list[int]:
-    counts = [int(x) for x in counts]
-    if len(counts) != size or any(x < 0 for x in counts):
-        raise ValueError(f"{what}: counts must be {size} non-negative integers, got {counts}")
-    offs = [0]
-    for x in counts:
-        offs.append(offs[-1] + x)
-    return offs
 
 
 class ProcessGroup:
@@ -144,6 +121,10 @@ class ProcessGroup:
     def chunk_bytes(self) -> int:
         """The pipelining unit on the wire (identical on every rank)."""
         return self._comm.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self._comm.chunk_bytes = value
 
     @property
     def failed(self) -> BaseException | None:
@@ -230,7 +211,7 @@ class ProcessGroup:
             flat = a.reshape(-1)
             red.bind(flat)
         else:
-            flat = _flat(a)
+            flat = L.flat(a)
             opx = get_op(op)
             check_op(opx, flat.dtype)
             cdc = _EXACT if codec is None else get_codec(codec, flat.dtype)
@@ -249,10 +230,10 @@ class ProcessGroup:
                              algo: str | None = None) -> np.ndarray:
         """Reduce `a` (flattened) across ranks and return this rank's block of the result
         (blocks: `counts`, default a near-equal split). `a` is left unchanged."""
-        flat = _flat(a, writable=False)
+        flat = L.flat(a, writable=False)
         opx = get_op(op)
         check_op(opx, flat.dtype)
-        offs = split(flat.size, self.size) if counts is None else _offsets(counts, self.size, "reduce_scatter")
+        offs = split(flat.size, self.size) if counts is None else L.offsets(counts, self.size, "reduce_scatter")
         if offs[-1] != flat.size:
             raise ValueError(f"reduce_scatter: counts add up to {offs[-1]}, the array has {flat.size} values")
         work = flat.copy()
@@ -262,28 +243,14 @@ class ProcessGroup:
         mine = work[offs[self.rank]:offs[self.rank + 1]]
         if opx.finish is not None:
             opx.finish(mine, self.size)
-        if out is not None:
-            o = _flat(out, "out")
-            if o.size != mine.size or o.dtype != mine.dtype:
-                raise ValueError(f"reduce_scatter: out must hold {mine.size} {mine.dtype} values")
-            o[:] = mine
-            return out
-        return mine
+        return L.deliver(mine, out, "reduce_scatter")
 
     async def all_gather(self, a: np.ndarray, *, counts=None, algo: str | None = None) -> np.ndarray:
         """Every rank's `a`, on every rank: shape (p, *a.shape) (equal shapes), or with `counts`
         (values per rank) the 1-D concatenation."""
-        flat = _flat(a, writable=False)
-        isz = flat.dtype.itemsize
-        if counts is None:
-            out = np.empty((self.size,) + a.shape, dtype=a.dtype)
-            offs = [r * flat.nbytes for r in range(self.size + 1)]
-        else:
-            eoffs = _offsets(counts, self.size, "all_gather")
-            if eoffs[self.rank + 1] - eoffs[self.rank] != flat.size:
-                raise ValueError(f"all_gather: counts[{self.rank}] must be this rank's size {flat.size}")
-            out = np.empty(eoffs[-1], dtype=a.dtype)
-            offs = [o * isz for o in eoffs]
+        flat = L.flat(a, writable=False)
+        shape, offs = L.gathered(a, flat, counts, self.size, self.rank, "all_gather")
+        out = np.empty(shape, dtype=a.dtype)
         out8 = out.reshape(-1).view(np.uint8)
         out8[offs[self.rank]:offs[self.rank + 1]] = flat.view(np.uint8)
         if self.size > 1 and offs[-1]:
@@ -292,7 +259,7 @@ class ProcessGroup:
 
     async def broadcast(self, a: np.ndarray, root: int = 0, *, algo: str | None = None) -> np.ndarray:
         """Root's `a` into every rank's `a` (same shape and dtype everywhere), in place."""
-        flat = _flat(a)
+        flat = L.flat(a)
         self._check_root(root)
         if self.size > 1 and flat.size:
             await self._run(self._algorithm(algo).broadcast(flat.view(np.uint8), root))
@@ -302,7 +269,7 @@ class ProcessGroup:
                      algo: str | None = None) -> np.ndarray | None:
         """Reduce into root's `a` (in place); returns it on root and None elsewhere, where `a`
         is left unchanged."""
-        flat = _flat(a, writable=(self.rank == root))
+        flat = L.flat(a, writable=(self.rank == root))
         opx = get_op(op)
         check_op(opx, flat.dtype)
         self._check_root(root)
@@ -320,18 +287,9 @@ class ProcessGroup:
                      algo: str | None = None) -> np.ndarray | None:
         """Every rank's `a` on root: shape (p, *a.shape), or with `counts` the 1-D concatenation.
         Returns None on the other ranks."""
-        flat = _flat(a, writable=False)
+        flat = L.flat(a, writable=False)
         self._check_root(root)
-        isz = flat.dtype.itemsize
-        if counts is None:
-            offs = [r * flat.nbytes for r in range(self.size + 1)]
-            shape = (self.size,) + a.shape
-        else:
-            eoffs = _offsets(counts, self.size, "gather")
-            if eoffs[self.rank + 1] - eoffs[self.rank] != flat.size:
-                raise ValueError(f"gather: counts[{self.rank}] must be this rank's size {flat.size}")
-            offs = [o * isz for o in eoffs]
-            shape = (eoffs[-1],)
+        shape, offs = L.gathered(a, flat, counts, self.size, self.rank, "gather")
         own = flat.view(np.uint8)
         out = out8 = None
         if self.rank == root:
@@ -351,70 +309,31 @@ class ProcessGroup:
         self._check_root(root)
         src = layout = None
         if self.rank == root:
-            flat = _flat(a, writable=False)
-            if counts is not None:
-                eoffs = _offsets(counts, self.size, "scatter")
-                if eoffs[-1] != flat.size:
-                    raise ValueError(f"scatter: counts add up to {eoffs[-1]}, the array has {flat.size} values")
-                shapes = [(eoffs[r + 1] - eoffs[r],) for r in range(self.size)]
-            elif a.ndim >= 2 and a.shape[0] == self.size:
-                shapes = [a.shape[1:]] * self.size
-                eoffs = [r * (flat.size // self.size) for r in range(self.size + 1)]
-            else:
-                eoffs = split(flat.size, self.size)
-                shapes = [(eoffs[r + 1] - eoffs[r],) for r in range(self.size)]
+            flat = L.flat(a, writable=False)
+            shapes, offs = L.scattered(a, flat, counts, self.size)
             src = flat.view(np.uint8)
-            layout = (flat.dtype, shapes, [o * flat.dtype.itemsize for o in eoffs])
+            layout = (flat.dtype, shapes, offs)
             if self.size == 1:
-                return self._deliver(src[: layout[2][1]].copy().view(flat.dtype).reshape(shapes[0]), out)
+                return L.deliver(src[:offs[1]].copy().view(flat.dtype).reshape(shapes[0]), out, "scatter")
         blocks = []
 
         async def body():
             if self.rank == root:
                 dtype, shapes, offs = layout
-                descr = dtype.descr if dtype.names else dtype.str
                 for r in range(self.size):
                     if r != root:
-                        header = F.pack_msg({"dtype": descr, "shape": list(shapes[r])})
-                        self._conns[r].write_frame(F.MESSAGE, header, self._comm.tag)
+                        self._conns[r].write_frame(F.MESSAGE, L.block_header(dtype, shapes[r]), self._comm.tag)
                 shape = shapes[root]
             else:
                 _kind, _tag, header = await self._conns[root].post_recv(None, F.MESSAGE, self._comm.tag, 4096)
-                dtype, shape = self._scatter_meta(header, root)
+                dtype, shape = L.read_block_header(header, self._conns[root].peer, self._conns[root].max_frame * 64)
                 offs = None
             block = np.empty(shape, dtype=dtype)
             await self._algorithm(algo).scatter(src, block.reshape(-1).view(np.uint8), offs, root)
             blocks.append(block)
 
         await self._run(body())
-        return self._deliver(blocks[0], out)
-
-    @staticmethod
-    def _deliver(block, out):
-        if out is None:
-            return block
-        o = _flat(out, "out")
-        if o.size != block.size or o.dtype != block.dtype:
-            raise ValueError(f"scatter: out must hold {block.size} {block.dtype} values, "
-                             f"not {o.size} {o.dtype}")
-        o[:] = block.reshape(-1)
-        return out
-
-    def _scatter_meta(self, body, root):
-        peer = self._conns[root].peer
-        try:
-            msg = F.unpack_msg(body)
-            descr = msg["dtype"]
-            dtype = np.dtype([tuple(f) for f in descr] if isinstance(descr, list) else descr)
-            shape = tuple(int(x) for x in msg["shape"])
-        except Exception as e:
-            raise ProtocolError(f"unreadable scatter header: {e}", peer) from None
-        if not (dtype in NUMERIC_DTYPES or _is_loc(dtype) or dtype == np.dtype(np.uint8)):
-            raise ProtocolError(f"scatter of unsupported dtype {dtype}", peer)
-        if any(x < 0 for x in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize > \
-                self._conns[root].max_frame * 64:
-            raise ProtocolError(f"scatter block of shape {shape} is too large", peer)
-        return dtype, shape
+        return L.deliver(blocks[0], out, "scatter")
 
     async def barrier(self, *, algo: str | None = None) -> None:
         """Returns once every rank has entered the barrier."""
@@ -443,107 +362,3 @@ class ProcessGroup:
 
     def __repr__(self):
         return f"<ProcessGroup rank {self.rank}/{self.size} algo={self.algo} session={self.session!r}>"
-
-
-def _dialer(i: int, j: int, addrs) -> int:
-    """Which of ranks i < j opens their connection: the higher one, unless the lower one does not
-    listen (e.g. a root that only connects out)."""
-    if addrs[i] is None:
-        if addrs[j] is None:
-            raise ValueError(f"ranks {i} and {j} both have no address; one of them must listen")
-        return i
-    return j
-
-
-async def init_process_group(rank: int, world: int, addrs, *, session: str = "dllama", algo: str = "auto",
-                             secret=None, timeout: float | None = DEFAULT_TIMEOUT, heartbeat: float | None = None,
-                             connect_timeout: float = 30.0, incoming: ConnectionInbox | None = None,
-                             listen_host: str | None = None, chunk_bytes: int | None = None,
-                             max_frame: int = DEFAULT_MAX_FRAME, spin: float | None = None) -> ProcessGroup:
-    """Connect this rank to every other rank (full mesh) and return its ProcessGroup.
-
-    addrs[r]: (host, port) where rank r accepts peer connections, or None for a rank that only
-        connects out (a root without a listener). Between two listening ranks the higher rank
-        connects to the lower one.
-    incoming: where accepted peer connections arrive when someone else owns the listener (a
-        worker daemon puts role="peer" connections into a ConnectionInbox). Without it, and if
-        any rank must connect to us, we listen on addrs[rank] ourselves (on `listen_host` if
-        given, e.g. "0.0.0.0") until the group is closed.
-    timeout: seconds a peer may stay silent while we wait on it; heartbeat (default timeout/4)
-        keeps idle-but-alive peers from looking silent.
-    algo: star, ring, mesh, rd, rabenseifner or auto (measures alpha/beta now).
-    chunk_bytes: pipelining unit; every rank must use the same. Default: DEFAULT_CHUNK, or with
-        auto about CHUNK_LINK_TIME of transfer on the measured link.
-    spin: seconds to busy-poll for an awaited frame before sleeping in the event loop (wake-ups
-        cost tens of microseconds; 0 disables). Default: DEFAULT_SPIN, unless more ranks share
-        this host's address than it has cores (then spinning would steal their CPU): 0.
-        Ranks sharing one event loop must use 0.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    addrs = [None if a is None else (str(a[0]), int(a[1])) for a in addrs]
-    if len(addrs) != world:
-        raise ValueError(f"need {world} addresses (None for ranks that do not listen), got {len(addrs)}")
-    algo = algo_name(algo)
-    if spin is None:
-        here = addrs[rank][0] if addrs[rank] else None
-        local = sum(1 for a in addrs if a is not None and a[0] == here) if here else 1
-        spin = DEFAULT_SPIN if local <= (os.cpu_count() or 1) else 0.0
-    if heartbeat is None and timeout is not None:
-        heartbeat = timeout / 4
-    dial = [j for j in range(world) if j != rank and _dialer(min(rank, j), max(rank, j), addrs) == rank]
-    accept = [j for j in range(world) if j != rank and j not in dial]
-    listener = None
-    if accept and incoming is None:
-        if addrs[rank] is None:
-            raise ValueError(f"rank {rank} must accept connections but has no address")
-        incoming = ConnectionInbox()
-
-        def on_connection(conn, hello):
-            if hello.role != "peer" or hello.session != session:
-                raise ProtocolError(f"not a peer of session {session!r}", conn.peer)
-            incoming.put(conn, hello)
-
-        listener = await Listener(on_connection, secret=secret, rank=rank, max_frame=max_frame).start(
-            listen_host or addrs[rank][0], addrs[rank][1])
-
-    async def dial_one(j):
-        host, port = addrs[j]
-        return await connect(host, port, role="peer", rank=rank, world=world, session=session, secret=secret,
-                             peer_rank=j, addr=addrs[rank], timeout=timeout, heartbeat=heartbeat,
-                             connect_timeout=connect_timeout, retry=True, max_frame=max_frame)
-
-    async def accept_one(j):
-        expect = PeerRef(j, *(addrs[j] if addrs[j] else ("?", 0)))
-        conn = await incoming.take(session, j, timeout=connect_timeout, expect=expect)
-        if conn.hello is not None and conn.hello.world not in (None, world):
-            conn.abort(f"world size mismatch: {conn.hello.world} != {world}")
-            raise ProtocolError(f"thinks the group has {conn.hello.world} ranks, we think {world}", conn.peer)
-        conn.timeout = timeout
-        conn.heartbeat = heartbeat
-        conn.max_frame = max_frame
-        return conn
-
-    tasks = {j: asyncio.ensure_future(dial_one(j) if j in dial else accept_one(j)) for j in range(world) if j != rank}
-    try:
-        await asyncio.gather(*tasks.values())
-    except BaseException:
-        for t in tasks.values():
-            t.cancel()
-        results = await asyncio.gather(*tasks.values(), return_exceptions=True)
-        for res in results:
-            if not isinstance(res, BaseException):
-                res.abort(f"rank {rank} could not join the group")
-        if listener is not None:
-            await listener.close()
-        raise
-    conns = [None if j == rank else tasks[j].result() for j in range(world)]
-    group = ProcessGroup(rank, world, conns, algo=algo, session=session,
-                         chunk_bytes=chunk_bytes or DEFAULT_CHUNK, listener=listener, addrs=addrs, spin=spin)
-    if algo == "auto":
-        await group._run(group.auto.calibrate())
-        if chunk_bytes is None and group.auto.beta:
-            # Every rank measured the same agreed beta, so every rank picks the same chunk size.
-            chunk = int(CHUNK_LINK_TIME / group.auto.beta) >> 16 << 16
-            group._comm.chunk_bytes = min(max(chunk, CHUNK_RANGE[0]), CHUNK_RANGE[1])
-    return group

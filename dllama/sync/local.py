@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from ..errors import ProtocolError
 from ..net import ConnectionInbox, Listener
-from .group import DEFAULT_TIMEOUT, init_process_group
+from .group import DEFAULT_TIMEOUT
+from .rendezvous import init_process_group, peers_of
 
 
 @contextlib.asynccontextmanager
@@ -26,11 +26,7 @@ async def local_cluster(p: int, algo: str = "ring", *, host: str = "127.0.0.1", 
     groups = []
     try:
         for inbox in inboxes:
-            def on_connection(conn, hello, inbox=inbox):
-                if hello.role != "peer" or hello.session != session:
-                    raise ProtocolError(f"not a peer of session {session!r}", conn.peer)
-                inbox.put(conn, hello)
-            listeners.append(await Listener(on_connection, secret=secret).start(host, 0))
+            listeners.append(await Listener(peers_of(session, inbox), secret=secret).start(host, 0))
         addrs = [(host, lst.port) for lst in listeners]
         groups = await asyncio.gather(*(
             init_process_group(r, p, addrs, session=session, algo=algo, secret=secret, timeout=timeout,

@@ -230,19 +230,13 @@ def _load(target: str):
 async def _child_main(cfg: dict) -> None:
     import asyncio
 
-    from ..errors import ProtocolError
     from ..net import ConnectionInbox, Listener
-    from .group import init_process_group
+    from .rendezvous import init_process_group, peers_of
 
     session = cfg["session"]
     inbox = ConnectionInbox()
-
-    def on_connection(conn, hello):
-        if hello.role != "peer" or hello.session != session:
-            raise ProtocolError(f"not a peer of session {session!r}", conn.peer)
-        inbox.put(conn, hello)
-
-    listener = await Listener(on_connection, secret=cfg["secret"], rank=cfg["rank"]).start(cfg["host"], cfg["port"])
+    listener = await Listener(peers_of(session, inbox), secret=cfg["secret"], rank=cfg["rank"]).start(cfg["host"],
+                                                                                                       cfg["port"])
     report("listening", port=listener.port)
     loop = asyncio.get_running_loop()
     line = await loop.run_in_executor(None, sys.stdin.readline)
