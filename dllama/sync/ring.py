@@ -33,60 +33,40 @@ class Ring(Algorithm):
         await self._reduce_scatter(red, offs, shift=-1)  # leaves rank r owning block r
 
     async def _reduce_scatter(self, red: Reducer, offs, shift: int) -> None:
-        c = self.comm
-        p, r = c.size, c.rank
-        left, right = (r - 1) % p, (r + 1) % p
-        step = c.chunk_values(red)
-        # At step k we send segment (r - k + shift) and receive segment (r - k - 1 + shift).
-        # Each step receives a different segment, so all receives are posted up front.
-        recv = []
-        for k in range(p - 1):
-            s = (r - k - 1 + shift) % p
-            recv += [(k, lo, hi, c.irecv(left, red.partial_buffer(lo, hi))) for lo, hi in chunks(offs[s], offs[s + 1], step)]
-        s = (r + shift) % p
-        for lo, hi in chunks(offs[s], offs[s + 1], step):
-            c.send(right, red.send_partial(lo, hi))
-        for k, lo, hi, f in recv:
-            await f
-            red.accumulate(lo, hi)
-            if k < p - 2:  # this chunk is what we send at step k+1: pass it on now
-                c.send(right, red.send_partial(lo, hi))
+        # at step k, send segment (r - k + shift), receive segment (r - k - 1 + shift), add it to ours
+        await self._around(offs, (self.comm.rank + shift) % self.comm.size, self.comm.chunk_values(red),
+                           red.partial_buffer, red.send_partial, red.accumulate, red.send_partial)
 
     async def _all_gather_final(self, red: Reducer, offs, own: int) -> None:
-        c = self.comm
-        p, r = c.size, c.rank
-        left, right = (r - 1) % p, (r + 1) % p
-        step = c.chunk_values(red)
-        # At step k we send segment (own - k) and receive segment (own - k - 1); each lands in
-        # its own place, so every receive can be posted up front.
-        recv = []
-        for k in range(p - 1):
-            s = (own - k - 1) % p
-            for lo, hi in chunks(offs[s], offs[s + 1], step):
-                recv.append((k, lo, hi, c.irecv(left, red.final_buffer(lo, hi))))
-        for lo, hi in chunks(offs[own], offs[own + 1], step):
-            c.send(right, red.send_final(lo, hi))
-        for k, lo, hi, f in recv:
-            await f
-            red.final_received(lo, hi)
-            if k < p - 2:
-                c.send(right, red.forward_final(lo, hi))
+        await self._around(offs, own, self.comm.chunk_values(red), red.final_buffer, red.send_final,
+                           red.final_received, red.forward_final)
 
     async def all_gather(self, out, offs):
+        def region(lo, hi):
+            return out[lo:hi]
+
+        await self._around(offs, self.comm.rank, self.comm.chunk_bytes, region, region, None, region)
+
+    async def _around(self, offs, first: int, step: int, recv_into, send_first, arrived, forward) -> None:
+        """The ring's p-1 steps: at step k send segment (first - k) to the right and receive segment
+        (first - k - 1) from the left, in chunks of `step`. Each step receives a different segment,
+        each into its own place, so every receive is posted up front; a chunk that arrives is handled
+        (`arrived`) and, if it is what the next step sends, passed on at once (`forward`)."""
         c = self.comm
         p, r = c.size, c.rank
         left, right = (r - 1) % p, (r + 1) % p
-        step = c.chunk_bytes
         recv = []
         for k in range(p - 1):
-            s = (r - k - 1) % p
-            recv += [(k, lo, hi, c.irecv(left, out[lo:hi])) for lo, hi in chunks(offs[s], offs[s + 1], step)]
-        for lo, hi in chunks(offs[r], offs[r + 1], step):
-            c.send(right, out[lo:hi])
+            s = (first - k - 1) % p
+            recv += [(k, lo, hi, c.irecv(left, recv_into(lo, hi))) for lo, hi in chunks(offs[s], offs[s + 1], step)]
+        for lo, hi in chunks(offs[first], offs[first + 1], step):
+            c.send(right, send_first(lo, hi))
         for k, lo, hi, f in recv:
             await f
+            if arrived is not None:
+                arrived(lo, hi)
             if k < p - 2:
-                c.send(right, out[lo:hi])
+                c.send(right, forward(lo, hi))
 
     async def broadcast(self, buf, root):
         """A pipelined chain root -> root+1 -> ... : n bytes per link, (p-1) hops of latency."""
