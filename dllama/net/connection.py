@@ -11,9 +11,10 @@ without copying. If the kernel does not take everything at once, the transport k
 *reference* to the payload, so the sender must not modify it until `flush()` returns; the
 write-buffer limits are set to zero so pause_writing/resume_writing track exactly that.
 
-Liveness: while anything waits on this peer (a posted receive or a flush), a watchdog fails the
-wait with `PeerTimeout` once the peer has sent nothing for `timeout` seconds. Peers send a PING
-after `heartbeat` seconds without other traffic, so a live but idle peer is never silent.
+Liveness (liveness.py): while anything waits on this peer (a posted receive or a flush), a
+watchdog fails the wait with `PeerTimeout` once the peer has sent nothing for `timeout` seconds.
+Peers send a PING after `heartbeat` seconds without other traffic, so a live but idle peer is
+never silent.
 An EOF or reset fails every wait at once with `PeerClosed`.
 """
 
@@ -38,6 +39,7 @@ from ..errors import (
     VersionMismatch,
 )
 from . import frames as F
+from .liveness import Liveness
 
 DEFAULT_MAX_FRAME = 64 << 20  # raw payloads (weight slices, arrays); the u32 field allows 4 GiB
 STAGE_SIZE = 256 << 10  # staging buffer: small frames arrive whole in one recv()
@@ -137,14 +139,8 @@ class Connection(asyncio.BufferedProtocol):
         # send side
         self._unflushed = False
         self._flush_waiters: list[asyncio.Future] = []
-        # liveness
-        self._timeout = timeout
-        self._heartbeat = heartbeat
-        self._last_rx = self._loop.time()
-        self._last_tx = self._last_rx
-        self._wait_since = self._last_rx
-        self._watch: asyncio.TimerHandle | None = None
-        self._hb_timer: asyncio.TimerHandle | None = None
+        self._live = Liveness(self._loop, timeout, heartbeat, ping=self._ping, silent=self._silent,
+                              waiting=lambda: self._error is None and bool(self._receivers or self._flush_waiters))
         # state
         self.on_fail: list = []  # callables(error), run once when the connection fails or closes
         self._error: NetworkError | None = None
@@ -157,25 +153,20 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def timeout(self) -> float | None:
         """Seconds the peer may stay silent while we wait on it (None: forever)."""
-        return self._timeout
+        return self._live.timeout
 
     @timeout.setter
     def timeout(self, value: float | None):
-        if value is not None and value <= 0:
-            raise ValueError("timeout must be positive or None")
-        self._timeout = value
+        self._live.timeout = value
 
     @property
     def heartbeat(self) -> float | None:
-        return self._heartbeat
+        """Seconds without traffic after which we send a PING (None: never)."""
+        return self._live.heartbeat
 
     @heartbeat.setter
     def heartbeat(self, value: float | None):
-        if value is not None and value <= 0:
-            raise ValueError("heartbeat must be positive or None")
-        self._heartbeat = value
-        if self.transport is not None and value is not None and self._hb_timer is None:
-            self._hb_timer = self._loop.call_later(value, self._heartbeat_tick)
+        self._live.heartbeat = value
 
     @property
     def closed(self) -> bool:
@@ -197,10 +188,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.peer = PeerRef(self.peer.rank, str(name[0]), int(name[1]))
         # Pause as soon as anything stays in user space: pause/resume then mean "unflushed/flushed".
         transport.set_write_buffer_limits(high=0, low=0)
-        now = self._loop.time()
-        self._last_rx = self._last_tx = now
-        if self._heartbeat is not None:
-            self._hb_timer = self._loop.call_later(self._heartbeat, self._heartbeat_tick)
+        self._live.start()
         if not self._made.done():
             self._made.set_result(None)
 
@@ -251,7 +239,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes):
         self.bytes_recv += nbytes
-        self._last_rx = self._loop.time()
+        self._live.last_rx = self._loop.time()
         if self._error is not None:
             self._lo = self._hi = 0
             return
@@ -284,12 +272,8 @@ class Connection(asyncio.BufferedProtocol):
                             and (r.tag is None or r.tag == tag) and length == len(into)):
                         into[:] = stage[lo + _HS:lo + _HS + length]
                         self._lo = lo + _HS + length
-                        receivers.popleft()
                         self.frames_recv += 1
-                        if r.timer is not None:
-                            r.timer.cancel()
-                        if not r.fut.done():
-                            r.fut.set_result(into)
+                        self._complete(r, into)
                         continue
                 self._lo += F.HEADER_SIZE
                 if not self._begin_frame(magic, version, code, tag, length):
@@ -377,17 +361,21 @@ class Connection(asyncio.BufferedProtocol):
             # The handshake is done: lift the handshake's size limit before the next frame is parsed.
             self.max_frame, self.max_frame_after_welcome = self.max_frame_after_welcome, None
         if target is not None:
-            self._receivers.popleft()
-            if target.timer is not None:
-                target.timer.cancel()
-            if not target.fut.done():
-                target.fut.set_result(dest if target.into is not None else (kind, tag, dest.obj))
+            self._complete(target, dest if target.into is not None else (kind, tag, dest.obj))
             return
         self._queue.append((kind, tag, dest.obj))
         self._queued_bytes += len(dest)
         if self._queued_bytes > self.max_queued and not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
+
+    def _complete(self, r: _Recv, value) -> None:
+        """The posted receive at the head of the queue got its frame."""
+        self._receivers.popleft()
+        if r.timer is not None:
+            r.timer.cancel()
+        if not r.fut.done():
+            r.fut.set_result(value)
 
     def _on_abort(self, body):
         try:
@@ -417,8 +405,7 @@ class Connection(asyncio.BufferedProtocol):
             return fut
         r = _Recv(codes, into, tag, max_len, fut)
         if not self._receivers:
-            self._wait_since = self._loop.time()
-            self._arm_watchdog()
+            self._live.begin_wait()
             if self._kind is not None and self._target is None and self._kind.code not in F.INTERNAL_CODES:
                 # A frame nobody had asked for is arriving right now: it is this receive's.
                 self._receivers.append(r)
@@ -587,28 +574,28 @@ class Connection(asyncio.BufferedProtocol):
         limit = self.max_frame if kind.max_len is None else min(kind.max_len, self.max_frame)
         if n > limit:
             raise ValueError(f"{kind.name} frame of {n} bytes exceeds the limit of {limit} bytes")
-        header = F.HEADER.pack(F.MAGIC, F.PROTOCOL_VERSION, kind.code, 0, tag & 0xFFFFFFFF, n)
+        header = F.pack_header(kind, tag, n)
         if n:
             self.transport.writelines((header, payload))
         else:
             self.transport.write(header)
         self.bytes_sent += F.HEADER_SIZE + n
         self.frames_sent += 1
-        self._last_tx = self._loop.time()
+        self._live.last_tx = self._loop.time()
 
     def write_array(self, payload, tag: int = 0) -> None:
         """Hot path of the collectives: an ARRAY frame, no checks beyond the transport's."""
         if self._error is not None:
             raise self._error
         n = payload.nbytes
-        header = F.HEADER.pack(F.MAGIC, F.PROTOCOL_VERSION, 16, 0, tag, n)
+        header = F.pack_header(F.ARRAY, tag, n)
         if n > SMALL_FRAME:
             self.transport.writelines((header, payload))
         else:  # one small immutable buffer: a plain write(), and nothing of ours stays referenced
             self.transport.write(b"".join((header, payload)))
         self.bytes_sent += F.HEADER_SIZE + n
         self.frames_sent += 1
-        self._last_tx = self._loop.time()
+        self._live.last_tx = self._loop.time()
 
     @property
     def flushed(self) -> bool:
@@ -623,8 +610,9 @@ class Connection(asyncio.BufferedProtocol):
             fut = self._loop.create_future()
             self._flush_waiters.append(fut)
             if len(self._flush_waiters) == 1 and not self._receivers:
-                self._wait_since = self._loop.time()
-            self._arm_watchdog()
+                self._live.begin_wait()
+            else:
+                self._live.arm()
             await fut
         if self._error is not None and self.transport is None:
             raise self._error
@@ -653,34 +641,17 @@ class Connection(asyncio.BufferedProtocol):
     send_bytes = send_array
 
     # ------------------------------------------------------------------ liveness
-    def _arm_watchdog(self):
-        if self._watch is None and self._timeout is not None:
-            self._watch = self._loop.call_at(self._wait_since + self._timeout, self._watchdog)
+    def _silent(self, timeout: float) -> None:
+        self._fail(PeerTimeout(f"sent nothing for {timeout:.3g} s (stopped, hung or cut off?)", self.peer))
 
-    def _watchdog(self):
-        self._watch = None
-        if self._error is not None or self._timeout is None:
-            return
-        if not self._receivers and not self._flush_waiters:
-            return
-        deadline = max(self._last_rx, self._wait_since) + self._timeout
-        if self._loop.time() >= deadline - 0.002:
-            self._fail(PeerTimeout(f"sent nothing for {self._timeout:.3g} s (stopped, hung or cut off?)",
-                                   self.peer))
-        else:
-            self._watch = self._loop.call_at(deadline, self._watchdog)
-
-    def _heartbeat_tick(self):
-        self._hb_timer = None
-        if self._error is not None or self.transport is None or self._heartbeat is None:
-            return
-        now = self._loop.time()
-        if now - self._last_tx >= self._heartbeat * 0.5:
-            try:
-                self.write_frame(F.PING)
-            except (NetworkError, RuntimeError):
-                return
-        self._hb_timer = self._loop.call_at(self._last_tx + self._heartbeat, self._heartbeat_tick)
+    def _ping(self) -> bool:
+        if self._error is not None or self.transport is None:
+            return False
+        try:
+            self.write_frame(F.PING)
+        except (NetworkError, RuntimeError):
+            return False
+        return True
 
     # ------------------------------------------------------------------ failure and shutdown
     def _fail(self, exc: NetworkError, close: bool = True):
@@ -694,10 +665,7 @@ class Connection(asyncio.BufferedProtocol):
                 callback(exc)
             except Exception:  # a listener's bug must not stop the failure from spreading
                 pass
-        for t in (self._watch, self._hb_timer):
-            if t is not None:
-                t.cancel()
-        self._watch = self._hb_timer = None
+        self._live.stop()
         self._direct = None
         receivers, self._receivers = self._receivers, collections.deque()
         for r in receivers:
