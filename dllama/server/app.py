@@ -7,7 +7,7 @@ queue or generating) is cancelled and the Generator stops between two steps.
 
 Against hostile clients: a request head must arrive within `header_timeout` and a body within
 `body_timeout`, at most `max_connections` are open at once (connections.py), a JSON body may nest
-`max_json_depth` deep and hold no NaN or infinity (openai_schema.parse_json), and with an
+`max_json_depth` deep and hold no NaN or infinity (json_body.py), and with an
 `api_key` every request but /health and the chat page's files must carry it as a bearer token.
 
 The chat page (static/, served at /) talks to the same API as any client: it streams from
@@ -26,7 +26,9 @@ from aiohttp import web
 from ..errors import ContextOverflow, DllamaError
 from . import metrics as prom
 from .connections import ConnectionGuard, GuardedProtocol
-from .openai_schema import APIError, bad_request, parse_chat, parse_completion, parse_json
+from .api_errors import APIError, bad_request
+from .json_body import parse_json
+from .openai_schema import parse_chat, parse_completion
 from .state import ServerConfig, ServerState, ClientGone, compact_json
 
 log = logging.getLogger("dllama.server")

@@ -1,5 +1,6 @@
-"""The OpenAI API's wire format: request validation (with OpenAI-style errors) and the shapes of
-responses and stream chunks. Pure functions of JSON-like data: no model, no I/O.
+"""The OpenAI API's requests: validation into a GenerationRequest, with OpenAI-style errors (the JSON
+body itself is parsed by json_body.py; responses are shaped by openai_responses.py). Pure functions
+of JSON-like data: no model, no I/O.
 
 Unknown fields are ignored, as OpenAI does. Fields for features this server does not have
 (logprobs, tools, logit_bias, penalties other than repeat_penalty, n > 1) are rejected with a 400
@@ -8,130 +9,18 @@ rather than silently ignored, because ignoring them would change what the client
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import time
-import uuid
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from ..sampling import SamplingParams
+from .api_errors import bad_request
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
-MAX_JSON_DEPTH = 64  # a real request nests 4 deep (messages, a message, content parts, a part)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # What a request that omits a sampling field gets: OpenAI's documented defaults (temperature 1,
 # top_p 1), no top-k cut (up to the per-node candidate cap), no repetition penalty.
 OPENAI_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, repeat_penalty=1.0, seed=None)
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: HTTP status + {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, extra: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.extra = extra or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
-                          **self.extra}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-# ------------------------------------------------------------------ the JSON body
-
-# Escapes (a backslash and the character after it) go first, so that what is left of a string
-# literal is a quote, anything but a quote, and a quote; an unterminated one runs to the end.
-# Neither pattern can backtrack: the scan is linear whatever the input.
-_ESCAPE = re.compile(r"\\[\s\S]")
-_STRING = re.compile(r'"[^"]*(?:"|\Z)')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-
-
-def json_depth(text: str) -> int:
-    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not
-    count), in linear time and without recursion: escapes, strings and everything that is not a
-    bracket are cut out by regular expressions, and the depth is a cumulative sum."""
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", _ESCAPE.sub("", text)))
-    if not brackets:
-        return 0
-    codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
-
-
-class _NonFinite:
-    """Stands, in a parsed body, for a number that is not finite, until it is found and named."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str):
-        self.text = text
-
-
-def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
-    """A request body as JSON, or a 400: malformed, nested deeper than `max_depth` (refused before
-    parsing: Python's json module recurses, and a deep enough body would end in a RecursionError),
-    or holding a number that is not finite anywhere (NaN, Infinity, -Infinity, which Python's json
-    module accepts although JSON has no such literals, or a number like 1e999 that overflows to
-    infinity), which would otherwise reach the sampler."""
-    try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads(bytes) does
-    except UnicodeDecodeError as e:
-        raise _invalid_json(e) from None
-    depth = json_depth(text)
-    if depth > max_depth:
-        raise bad_request(f"The JSON body nests {depth} levels deep; this server accepts at most {max_depth}.",
-                          code="invalid_json")
-    found = []
-
-    def constant(name: str):  # NaN, Infinity, -Infinity
-        found.append(name)
-        return _NonFinite(name)
-
-    def number(literal: str):
-        value = float(literal)
-        if math.isfinite(value):
-            return value
-        found.append(literal)
-        return _NonFinite(literal)
-
-    try:
-        body = json.loads(text, parse_constant=constant, parse_float=number)
-    except ValueError as e:  # JSONDecodeError; an integer of more than 4300 digits
-        raise _invalid_json(e) from None
-    if found:
-        path, literal = _find_non_finite(body)
-        raise bad_request(f"'{path}' is {literal}; numbers must be finite (JSON has no NaN or Infinity, and this "
-                          f"server takes no number beyond ±1.8e308).", path or None)
-    return body
-
-
-def _invalid_json(e: Exception) -> "APIError":
-    return bad_request(f"We could not parse the JSON body of your request: {e}", code="invalid_json")
-
-
-def _find_non_finite(body) -> tuple[str, str]:
-    """The path (as in `param`: messages[0].content) and literal of the first non-finite number.
-    Iterative: the depth is already bounded, but no recursion is needed."""
-    stack = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, _NonFinite):
-            return path, value.text
-        if isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-    raise AssertionError("no non-finite number in the body")  # unreachable: parse_json found one
 
 
 # ------------------------------------------------------------------ requests
@@ -367,70 +256,3 @@ def _string(body: dict, name: str) -> str | None:
 def _type_name(value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(value), type(value).__name__)
-
-
-# ------------------------------------------------------------------ responses
-
-
-@dataclass
-class Envelope:
-    """What every response and chunk of one request repeats."""
-
-    kind: str  # "chat" or "completion"
-    model: str
-    fingerprint: str
-    id: str = ""
-    created: int = 0
-
-    def __post_init__(self):
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        self.id = self.id or f"{prefix}-{uuid.uuid4().hex[:24]}"
-        self.created = self.created or int(time.time())
-
-    def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
-
-    def response(self, text: str, finish_reason: str, usage: dict,
-                 token_ids: tuple[list[int], list[int]] | None = None) -> dict:
-        """token_ids: (prompt ids, answer ids), returned as vLLM does when asked (return_token_ids)."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            out = {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = {**self._head("text_completion"), "choices": [choice], "usage": usage}
-        if token_ids is not None:
-            out["prompt_token_ids"], choice["token_ids"] = list(token_ids[0]), list(token_ids[1])
-        return out
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              with_usage_field: bool = False) -> dict:
-        """One stream chunk: a piece of text, the opening role (chat), or the closing finish_reason.
-        With stream_options.include_usage every chunk carries "usage": null, as OpenAI's do."""
-        if self.kind == "chat":
-            delta = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            out = {**self._head("chat.completion.chunk"),
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-        else:
-            out = {**self._head("text_completion"),
-                   "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
-        if with_usage_field:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk with stream_options.include_usage: no choices, the usage."""
-        name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(name), "choices": [], "usage": usage}
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -21,8 +21,10 @@ from ..generate import Generation, Generator
 from ..sampling import SamplingParams
 from . import metrics as prom
 from .connections import ConnectionCounts
-from .openai_schema import (MAX_JSON_DEPTH, OPENAI_SAMPLING, APIError, Envelope, GenerationRequest, bad_request,
-                            usage)
+from .api_errors import APIError, bad_request
+from .json_body import MAX_JSON_DEPTH
+from .openai_responses import Envelope, usage
+from .openai_schema import OPENAI_SAMPLING, GenerationRequest
 
 log = logging.getLogger("dllama.server")
 

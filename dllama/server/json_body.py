@@ -1,0 +1,99 @@
+"""A request's JSON body, parsed defensively: its nesting bounded before the parser sees it, and
+no NaN or infinity (JSON has none; Python's parser would accept them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+
+from .api_errors import APIError, bad_request
+
+MAX_JSON_DEPTH = 64  # a real request nests 4 deep (messages, a message, content parts, a part)
+
+# Escapes (a backslash and the character after it) go first, so that what is left of a string
+# literal is a quote, anything but a quote, and a quote; an unterminated one runs to the end.
+# Neither pattern can backtrack: the scan is linear whatever the input.
+_ESCAPE = re.compile(r"\\[\s\S]")
+_STRING = re.compile(r'"[^"]*(?:"|\Z)')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not
+    count), in linear time and without recursion: escapes, strings and everything that is not a
+    bracket are cut out by regular expressions, and the depth is a cumulative sum."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", _ESCAPE.sub("", text)))
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+class _NonFinite:
+    """Stands, in a parsed body, for a number that is not finite, until it is found and named."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
+    """A request body as JSON, or a 400: malformed, nested deeper than `max_depth` (refused before
+    parsing: Python's json module recurses, and a deep enough body would end in a RecursionError),
+    or holding a number that is not finite anywhere (NaN, Infinity, -Infinity, which Python's json
+    module accepts although JSON has no such literals, or a number like 1e999 that overflows to
+    infinity), which would otherwise reach the sampler."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads(bytes) does
+    except UnicodeDecodeError as e:
+        raise _invalid_json(e) from None
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise bad_request(f"The JSON body nests {depth} levels deep; this server accepts at most {max_depth}.",
+                          code="invalid_json")
+    found = []
+
+    def constant(name: str):  # NaN, Infinity, -Infinity
+        found.append(name)
+        return _NonFinite(name)
+
+    def number(literal: str):
+        value = float(literal)
+        if math.isfinite(value):
+            return value
+        found.append(literal)
+        return _NonFinite(literal)
+
+    try:
+        body = json.loads(text, parse_constant=constant, parse_float=number)
+    except ValueError as e:  # JSONDecodeError; an integer of more than 4300 digits
+        raise _invalid_json(e) from None
+    if found:
+        path, literal = _find_non_finite(body)
+        raise bad_request(f"'{path}' is {literal}; numbers must be finite (JSON has no NaN or Infinity, and this "
+                          f"server takes no number beyond ±1.8e308).", path or None)
+    return body
+
+
+def _invalid_json(e: Exception) -> "APIError":
+    return bad_request(f"We could not parse the JSON body of your request: {e}", code="invalid_json")
+
+
+def _find_non_finite(body) -> tuple[str, str]:
+    """The path (as in `param`: messages[0].content) and literal of the first non-finite number.
+    Iterative: the depth is already bounded, but no recursion is needed."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _NonFinite):
+            return path, value.text
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    raise AssertionError("no non-finite number in the body")  # unreachable: parse_json found one
