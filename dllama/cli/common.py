@@ -211,7 +211,7 @@ async def _look_for_workers(timeout: float, secret: str | None):
 
 
 def _address(text: str) -> tuple[str, int]:
-    from ..cluster.root import parse_address
+    from ..cluster.link import parse_address
 
     return parse_address(text)
 

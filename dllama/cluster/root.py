@@ -13,63 +13,30 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
 from ..engine import Engine
-from ..errors import AuthError, DllamaError, NetworkError, PeerClosed, VersionMismatch
+from ..errors import AuthError, DllamaError, NetworkError, VersionMismatch
 from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, shard_tensors
-from ..net import connect
 from ..net.frames import pack_msg
 from ..plan import Plan, kv_cache_bytes
 from ..sampling import LogitSummary, SamplingParams
 from ..step import PREFILL_CHUNK, NodeStep, Step
 from ..sync import init_process_group
 from ..sync_config import SyncConfig
-from ..wire import InvalidMessage
 from . import messages as M
 from . import protocol as P
 from .node import measure_speed, mem_available
-from .slices import make_entry, tensor_bytes
+from .link import WorkerLink, answers
+from .slices import make_entry
 
 log = logging.getLogger("dllama.root")
 
-BUSY_RETRY_S = 0.1  # a worker still closing its previous session answers "busy" for a moment
 REJOIN_PROBE_EVERY_S = 10.0  # how often requests look for missing workers (each look may wait 1 s)
 DISCOVERED_BUSY_WAIT_S = 5.0  # a found worker still "busy" after this serves another root: left out
-
-
-@dataclass
-class WorkerInfo:
-    rank: int
-    host: str
-    port: int
-    conn: object = None
-    gmacs: float | None = None
-    mem_available: int | None = None
-    ready: dict | None = None
-    last_stats: dict | None = None
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    @property
-    def name(self) -> str:
-        return f"worker {self.rank} ({self.host}:{self.port})"
-
-
-def parse_address(text: str, default_port: int = 9998) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        return text, default_port
-    try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise DllamaError(f"bad worker address {text!r}: expected HOST:PORT") from None
 
 
 class ClusterEngine(Engine):
@@ -85,7 +52,7 @@ class ClusterEngine(Engine):
         self.config = model.config
         self.ctx_size = ctx_size
         self.addresses = [tuple(a) for a in workers]  # as configured; active ones are in self.workers
-        self.workers: list[WorkerInfo] = []
+        self.workers: list[WorkerLink] = []
         self.requested_weights = weights
         self.secret = secret
         self.timeout = timeout
@@ -156,8 +123,8 @@ class ClusterEngine(Engine):
         sync group. Unreachable workers are an error, or (tolerate_missing) left out."""
         self.session = uuid.uuid4().hex[:12]
         measure = self.requested_weights == "auto"
-        candidates = [WorkerInfo(i + 1, h, p) for i, (h, p) in enumerate(addresses)]
-        results = await asyncio.gather(*(self._connect(w, measure) for w in candidates), return_exceptions=True)
+        candidates = [WorkerLink(i + 1, h, p, self.timeout) for i, (h, p) in enumerate(addresses)]
+        results = await asyncio.gather(*(self._open(w, measure) for w in candidates), return_exceptions=True)
         self.workers = []
         for w, result in zip(candidates, results):
             if isinstance(result, (AuthError, VersionMismatch)) and w.address in self.discovered:
@@ -176,8 +143,7 @@ class ClusterEngine(Engine):
             else:
                 self.workers.append(w)
         for rank, w in enumerate(self.workers, start=1):  # ranks are contiguous among the present
-            w.rank = rank
-            w.conn.peer = w.conn.peer._replace(rank=rank)
+            w.renumber(rank)
         self.plan = Plan.split(self.config, self._node_weights(measure))
         self._check_memory()
         own = self.plan.shards[0]
@@ -186,8 +152,7 @@ class ClusterEngine(Engine):
         total = sum(e.nbytes for m in manifests for e, _ in m)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"sending weights to {len(self.workers)} worker(s)",
                   disable=not self.progress or total == 0) as bar:
-            await asyncio.gather(*(self._send_setup(w, s, m, bar)
-                                   for w, s, m in zip(self.workers, self.plan.shards[1:], manifests)))
+            await asyncio.gather(*(w.set_up(self._setup(w, m), m, bar) for w, m in zip(self.workers, manifests)))
         model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own, self.sync.mode),
                            self.ctx_size, self.sync.projection(self.plan.shards, self.config.head_dim))
         self.group = None
@@ -198,28 +163,13 @@ class ClusterEngine(Engine):
             self.group = await init_process_group(0, self.n_nodes, addrs, session=self.session, algo=self.sync.algo,
                                                   secret=self.secret, timeout=self.timeout, spin=self.spin)
             for w in self.workers:
-                w.ready = M.to_wire(await self._expect(w, P.READY, M.Ready))
+                w.ready = (await w.expect(P.READY, M.Ready)).to_wire()
         self.node = NodeStep(model, self.group, self.sync.codec)
 
-    async def _connect(self, w: WorkerInfo, measure: bool) -> None:
+    async def _open(self, w: WorkerLink, measure: bool) -> None:
+        # a discovered worker still "busy" after a short while serves another root: not waited for
         patience = self.timeout if w.address not in self.discovered else min(self.timeout, DISCOVERED_BUSY_WAIT_S)
-        deadline = time.monotonic() + patience
-        while True:
-            w.conn = await connect(w.host, w.port, role="control", secret=self.secret, peer_rank=w.rank,
-                                   timeout=self.timeout, heartbeat=self.timeout / 4, session=self.session,
-                                   connect_timeout=min(self.timeout, 10.0), max_frame=P.MAX_SETUP)
-            await w.conn.send_msg(P.PROBE, M.to_wire(M.Probe(measure)))
-            try:
-                probed = await self._expect(w, P.PROBED, M.Probed, timeout=max(self.timeout, 60.0))
-            except DllamaError as e:
-                await w.conn.close()
-                # still finishing a failed session: it answers "busy" (or hangs up) for a moment
-                if ("busy" in str(e) or isinstance(e, PeerClosed)) and time.monotonic() < deadline:
-                    await asyncio.sleep(BUSY_RETRY_S)
-                    continue
-                raise
-            w.gmacs, w.mem_available = probed.gmacs, probed.mem_available
-            return
+        await w.open(session=self.session, secret=self.secret, measure=measure, patience=patience)
 
     def _node_weights(self, measured: bool) -> list[float]:
         if measured:
@@ -244,35 +194,12 @@ class ClusterEngine(Engine):
                                   f"for its slice and KV cache but has {available / 1e6:.0f} MB available "
                                   "(add workers, shift --weights, or lower --ctx-size)")
 
-    async def _send_setup(self, w: WorkerInfo, shard, manifest, bar) -> None:
-        setup = M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,
-                        addrs=[None] + [x.address for x in self.workers], algo=self.sync.algo,
-                        sync_dtype=self.sync.dtype, sync_mode=self.sync.mode, config=M.WireConfig.of(self.config),
-                        shards=[M.WireShard.of(s) for s in self.plan.shards], ctx_size=self.ctx_size,
-                        manifest=[e for e, _ in manifest], spin=self.spin)
-        await w.conn.send_msg(P.SETUP, M.to_wire(setup))
-        need = await self._expect(w, P.NEED, M.Need)
-        wanted = set(need.names)
-        for entry, tensor in manifest:
-            if entry.name not in wanted:
-                bar.update(entry.nbytes)
-                continue
-            raw = tensor_bytes(tensor)
-            for start, stop in P.chunks(entry.nbytes):
-                await w.conn.send_array(raw[start:stop], kind=P.TENSOR)
-                bar.update(stop - start)
-        await self._expect(w, P.LOADED, M.Loaded, timeout=max(self.timeout, 120.0))
-
-    async def _expect(self, w: WorkerInfo, kind, schema, timeout: float | None = None):
-        """The worker's next message, of `kind` (checked against `schema`); FAILED raises its error."""
-        got, body = await w.conn.recv_msg((kind, P.FAILED), timeout=timeout or self.timeout)
-        if got == P.FAILED.name:
-            failed = M.decode(P.FAILED, M.Failed, body)
-            raise DllamaError(f"{w.name}: {failed.error}")
-        try:
-            return M.decode(kind, schema, body)
-        except InvalidMessage as e:
-            raise DllamaError(f"{w.name}: {e}") from None
+    def _setup(self, w: WorkerLink, manifest) -> M.Setup:
+        return M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,
+                       addrs=[None] + [x.address for x in self.workers], algo=self.sync.algo,
+                       sync_dtype=self.sync.dtype, sync_mode=self.sync.mode, config=M.WireConfig.of(self.config),
+                       shards=[M.WireShard.of(s) for s in self.plan.shards], ctx_size=self.ctx_size,
+                       manifest=[e for e, _ in manifest], spin=self.spin)
 
     async def _teardown(self, reason: str | None = None) -> None:
         """End the session on every worker (they go back to waiting for a root). With a reason
@@ -280,12 +207,7 @@ class ClusterEngine(Engine):
         if reason is not None and self.group is not None:
             self.group.abort(reason)
         for w in self.workers:
-            if w.conn is not None and not w.conn.closed:
-                try:
-                    await w.conn.send_msg(P.END, {})
-                except NetworkError:
-                    pass
-                await w.conn.close()
+            await w.end()
         if self.group is not None:
             await self.group.close()
             self.group = None
@@ -322,8 +244,8 @@ class ClusterEngine(Engine):
         back = []
         if missing and self.recover and time.monotonic() - self._last_probe >= REJOIN_PROBE_EVERY_S:
             self._last_probe = time.monotonic()
-            answers = await asyncio.gather(*(_answers(h, p, self.secret) for h, p in missing))
-            back = [a for a, answered in zip(missing, answers) if answered]
+            answered = await asyncio.gather(*(answers(a, self.secret) for a in missing))
+            back = [a for a, yes in zip(missing, answered) if yes]
         if not back and not fresh:
             return
         self._event(f"{len(back)} worker(s) answer again, {len(fresh)} new; re-planning")
@@ -359,7 +281,7 @@ class ClusterEngine(Engine):
             w.conn.write_frame(P.FORWARD, packed)
             w.conn.write_frame(P.ACTIVATIONS, x)
         own = await self.node.run(x, step)
-        replies = await asyncio.gather(*(self._expect(w, P.RESULT, M.Result) for w in self.workers))
+        replies = await asyncio.gather(*(w.expect(P.RESULT, M.Result) for w in self.workers))
         per_worker = []
         for w, reply in zip(self.workers, replies):
             w.last_stats = M.to_wire(reply.stats)
@@ -380,13 +302,3 @@ class ClusterEngine(Engine):
         finally:
             if self.browser is not None:
                 await self.browser.close()
-
-
-async def _answers(host: str, port: int, secret) -> bool:
-    """Whether a worker completes a handshake now (the probe connection is closed at once)."""
-    try:
-        conn = await connect(host, port, role="control", secret=secret, connect_timeout=1.0)
-    except NetworkError:
-        return False
-    await conn.close()
-    return True
