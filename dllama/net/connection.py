@@ -40,18 +40,15 @@ from ..errors import (
 )
 from . import frames as F
 from .liveness import Liveness
+from .parser import FrameParser
 
 DEFAULT_MAX_FRAME = 64 << 20  # raw payloads (weight slices, arrays); the u32 field allows 4 GiB
-STAGE_SIZE = 256 << 10  # staging buffer: small frames arrive whole in one recv()
-DIRECT_MIN = 16 << 10  # a payload remainder at least this big is read straight into its buffer
 SMALL_FRAME = 16 << 10  # frames up to this size are sent as one copied buffer
 LINGER = 2.0  # after our last words, how long we wait for the peer to close before we reset
 
 
-_HS = F.HEADER_SIZE
 _MAGIC = F.MAGIC
 _VERSION = F.PROTOCOL_VERSION
-_unpack_header = F.HEADER.unpack_from
 
 
 class PeerRef(NamedTuple):
@@ -121,17 +118,8 @@ class Connection(asyncio.BufferedProtocol):
         self.frames_sent = 0
         self.frames_recv = 0
         # receive side
-        self._stage = bytearray(STAGE_SIZE)
-        self._stage_mv = memoryview(self._stage)
-        self._lo = 0  # unparsed bytes are _stage[_lo:_hi]
-        self._hi = 0
-        self._kind: F.FrameKind | None = None  # frame in progress (None: reading a header)
-        self._tag = 0
-        self._dest: memoryview | None = None  # where its payload goes
-        self._filled = 0
-        self._target: _Recv | None = None  # the posted receive it is for (None: it gets queued)
-        self._direct: memoryview | None = None  # set: the loop reads straight into the payload
-        self._hdr_only = False  # after a big frame, read the next header alone (no staging copy)
+        self._parser = FrameParser(self)
+        self._target: _Recv | None = None  # the posted receive the frame in progress is for (None: queued)
         self._receivers: collections.deque[_Recv] = collections.deque()
         self._queue: collections.deque = collections.deque()  # (kind, tag, bytearray) not yet asked for
         self._queued_bytes = 0
@@ -196,7 +184,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._error is None:
             if self._bye:  # (normally already failed by the BYE frame itself)
                 why = "closed the connection"
-            elif self._kind is not None:
+            elif self._parser.kind is not None:
                 why = "connection lost in the middle of a frame (peer died?)"
             else:
                 why = "connection lost (peer died or dropped the connection)"
@@ -225,83 +213,34 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ receive path
     def get_buffer(self, sizehint):
-        if self._direct is not None:
-            return self._direct
-        lo, hi = self._lo, self._hi
-        if lo:
-            if lo < hi:  # a partial header: move it to the front
-                self._stage[: hi - lo] = self._stage[lo:hi]
-            self._lo, self._hi = 0, hi - lo
-            hi = hi - lo
-        if self._hdr_only and self._kind is None:
-            return self._stage_mv[hi:F.HEADER_SIZE]
-        return self._stage_mv[hi:]
+        return self._parser.get_buffer()
 
     def buffer_updated(self, nbytes):
         self.bytes_recv += nbytes
         self._live.last_rx = self._loop.time()
-        if self._error is not None:
-            self._lo = self._hi = 0
-            return
-        direct = self._direct
-        if direct is not None:
-            self._filled += nbytes
-            if nbytes == len(direct):
-                self._direct = None
-                self._finish_frame()
-            else:
-                self._direct = direct[nbytes:]
-            return
-        self._hi += nbytes
-        self._parse()
+        self._parser.fed(nbytes)
 
-    def _parse(self):
-        stage = self._stage_mv
-        receivers = self._receivers
-        while self._error is None:
-            if self._kind is None:
-                lo, hi = self._lo, self._hi
-                if hi - lo < _HS:
-                    return
-                magic, version, code, _flags, tag, length = _unpack_header(self._stage, lo)
-                if receivers and hi - lo - _HS >= length:
-                    # Fast path: a whole frame for the posted receive at the head, already staged.
-                    r = receivers[0]
-                    into = r.into
-                    if (into is not None and magic == _MAGIC and version == _VERSION and code in r.codes
-                            and (r.tag is None or r.tag == tag) and length == len(into)):
-                        into[:] = stage[lo + _HS:lo + _HS + length]
-                        self._lo = lo + _HS + length
-                        self.frames_recv += 1
-                        self._complete(r, into)
-                        continue
-                self._lo += F.HEADER_SIZE
-                if not self._begin_frame(magic, version, code, tag, length):
-                    return
-                if length == 0:
-                    self._finish_frame()
-                    continue
-            need = len(self._dest) - self._filled
-            avail = self._hi - self._lo
-            if avail >= need:
-                self._dest[self._filled:] = stage[self._lo:self._lo + need]
-                self._lo += need
-                self._filled += need
-                self._finish_frame()
-                continue
-            if avail:
-                self._dest[self._filled:self._filled + avail] = stage[self._lo:self._hi]
-                self._filled += avail
-            self._lo = self._hi = 0
-            if need - avail >= DIRECT_MIN:
-                self._direct = self._dest[self._filled:]
-            return
+    def take_staged(self, magic, version, code, tag, length, start) -> bool:
+        """The parser's fast path: a whole staged frame for the posted receive at the head goes
+        straight into its buffer."""
+        if not self._receivers:
+            return False
+        r = self._receivers[0]
+        into = r.into
+        if (into is None or magic != _MAGIC or version != _VERSION or code not in r.codes
+                or (r.tag is not None and r.tag != tag) or length != len(into)):
+            return False  # the slow path checks it and says what is wrong
+        into[:] = self._parser.stage_mv[start:start + length]
+        self.frames_recv += 1
+        self._complete(r, into)
+        return True
 
-    def _begin_frame(self, magic, version, code, tag, length) -> bool:
-        """Check a header and choose where its payload goes. False: the connection has failed."""
+    def begin_frame(self, magic, version, code, tag, length):
+        """Check a header and choose where its payload goes: (kind, destination), or None when the
+        connection has failed."""
         if magic != F.MAGIC:
             self._fail(MalformedFrame(f"bad frame magic {bytes(magic)!r} (not a dllama peer?)", self.peer))
-            return False
+            return None
         if version != F.PROTOCOL_VERSION:
             err = VersionMismatch(f"speaks wire protocol version {version}, this node speaks {F.PROTOCOL_VERSION}",
                                   self.peer)
@@ -314,38 +253,30 @@ class Connection(asyncio.BufferedProtocol):
             self._fail(err, close=False)
             if self.transport is not None:
                 self.transport.close()
-            return False
+            return None
         kind = self.kinds.by_code(code)
         if kind is None:
             self._fail(MalformedFrame(f"unknown frame kind {code}", self.peer))
-            return False
+            return None
         limit = self.max_frame if kind.max_len is None else min(kind.max_len, self.max_frame)
         if length > limit:
             self._fail(MalformedFrame(
                 f"{kind.name} frame of {length} bytes exceeds the limit of {limit} bytes", self.peer))
-            return False
-        self._kind, self._tag, self._filled = kind, tag, 0
-        self._hdr_only = length >= DIRECT_MIN
-        if code in F.INTERNAL_CODES:
-            self._target = None
-            self._dest = memoryview(bytearray(length))
-            return True
-        if self._receivers:
+            return None
+        self._target = None
+        if code not in F.INTERNAL_CODES and self._receivers:
             r = self._receivers[0]
             err = self._mismatch(kind, tag, length, r.codes, r.into, r.tag, r.max_len)
             if err is not None:
                 self._fail(err)
-                return False
-            self._dest = r.into if r.into is not None else memoryview(bytearray(length))
+                return None
             self._target = r
-        else:
-            self._target = None
-            self._dest = memoryview(bytearray(length))
-        return True
+            if r.into is not None:
+                return kind, r.into
+        return kind, memoryview(bytearray(length))
 
-    def _finish_frame(self):
-        kind, tag, dest, target = self._kind, self._tag, self._dest, self._target
-        self._kind = self._dest = self._target = None
+    def finish_frame(self, kind, tag, dest):
+        target, self._target = self._target, None
         self.frames_recv += 1
         code = kind.code
         if code in F.INTERNAL_CODES:
@@ -406,7 +337,8 @@ class Connection(asyncio.BufferedProtocol):
         r = _Recv(codes, into, tag, max_len, fut)
         if not self._receivers:
             self._live.begin_wait()
-            if self._kind is not None and self._target is None and self._kind.code not in F.INTERNAL_CODES:
+            arriving = self._parser.kind
+            if arriving is not None and self._target is None and arriving.code not in F.INTERNAL_CODES:
                 # A frame nobody had asked for is arriving right now: it is this receive's.
                 self._receivers.append(r)
                 self._claim_inflight(r)
@@ -415,18 +347,14 @@ class Connection(asyncio.BufferedProtocol):
         return fut
 
     def _claim_inflight(self, r: _Recv) -> None:
-        kind, length = self._kind, len(self._dest)
-        err = self._mismatch(kind, self._tag, length, r.codes, r.into, r.tag, r.max_len)
+        parser = self._parser
+        err = self._mismatch(parser.kind, parser.tag, len(parser.dest), r.codes, r.into, r.tag, r.max_len)
         if err is not None:
             self._fail(err)
             return
         self._target = r
-        if r.into is not None:  # move what has arrived so far, and let the rest land in place
-            filled = self._filled
-            r.into[:filled] = self._dest[:filled]
-            self._dest = r.into
-            if self._direct is not None:
-                self._direct = r.into[filled:]
+        if r.into is not None:  # what has arrived so far moves, and the rest lands in place
+            parser.redirect(r.into)
 
     def _mismatch(self, kind, tag, length, codes, into, want_tag, max_len):
         """The error for a frame that does not fit a posted receive, or None."""
@@ -666,7 +594,7 @@ class Connection(asyncio.BufferedProtocol):
             except Exception:  # a listener's bug must not stop the failure from spreading
                 pass
         self._live.stop()
-        self._direct = None
+        self._parser.stop()
         receivers, self._receivers = self._receivers, collections.deque()
         for r in receivers:
             if r.timer is not None:
