@@ -251,18 +251,21 @@ def test_root_carries_on_alone_when_its_only_worker_dies(workers, one_node_answe
     assert re.search(r"recovered in [\d.]+ s: 1 node", r.stderr), r.stderr
 
 
+IDLE_TIMEOUT = 5  # seconds; without heartbeats either side would give up on the other after this
+
+
 @pytest.mark.slow
 def test_idle_chat_keeps_its_workers(workers):
-    """A user who thinks for 120 s (4x the 30 s timeout) between two messages: the connections
-    stay alive on heartbeats, so the worker logs nothing meanwhile, the root does not re-plan,
-    and no weights are sent again (one session, set up once)."""
-    (worker,) = workers(1)
+    """A user who thinks for 4x the timeout (5 s on both sides) between two messages: the
+    connections stay alive on heartbeats, so the worker logs nothing meanwhile, the root does not
+    re-plan, and no weights are sent again (one session, set up once)."""
+    (worker,) = workers(1, "--timeout", str(IDLE_TIMEOUT))
     log: list[tuple[float, str]] = []  # (time, line) of the worker's log
     log_reader = threading.Thread(target=lambda: log.extend((time.monotonic(), line) for line in worker.proc.stderr),
                                   daemon=True)
     log_reader.start()
     chat = subprocess.Popen(DLLAMA + ["chat", "--workers", worker.address, "--temperature", "0", "--max-tokens", "8",
-                                      "--threads", "1", "--timeout", "30"],
+                                      "--threads", "1", "--timeout", str(IDLE_TIMEOUT)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
@@ -276,7 +279,7 @@ def test_idle_chat_keeps_its_workers(workers):
         assert "\n" in "".join(out), "no first answer"
         time.sleep(2)  # the first answer's last log lines
         idle_from = time.monotonic()
-        time.sleep(120)
+        time.sleep(4 * IDLE_TIMEOUT)
         idle_to, answered = time.monotonic(), len("".join(out))
         chat.stdin.write("And what is 2+2?\n")
         chat.stdin.close()

@@ -212,6 +212,17 @@ def test_auto_uses_the_compatible_workers_and_answers_as_the_fixed_list(lan):
 
 @pytest.mark.netns
 @pytest.mark.slow
+def test_a_configured_worker_that_does_not_answer_is_still_an_error_with_auto(lan):
+    bed, _listed_ = lan
+    r = bed.run(0, *DLLAMA, *INFERENCE, "--workers", f"auto,{bed.addresses[LATE]}:{PORT}", "--timeout", "2",
+                timeout=300)  # nothing listens there yet
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr[-2000:]
+    assert f"{bed.addresses[LATE]}:{PORT}" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
 def test_a_worker_behind_a_secret_is_used_only_with_that_secret(lan):
     bed, _listed_ = lan
     right, err, _t = _root(bed, *INFERENCE, "--workers", "auto", "--secret", SECRET)

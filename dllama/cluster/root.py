@@ -99,7 +99,7 @@ class ClusterEngine(Engine):
     async def start(self) -> "ClusterEngine":
         try:
             self._add_discovered(starting=True)
-            await self._build(self.addresses, tolerate_missing=self.browser is not None)
+            await self._build(self.addresses, tolerate_missing=False)  # a configured worker must answer
         except BaseException:
             await self.close()
             raise
@@ -120,7 +120,8 @@ class ClusterEngine(Engine):
 
     async def _build(self, addresses, tolerate_missing: bool) -> None:
         """A new session over the workers at `addresses` that answer: plan, stream slices, form the
-        sync group. Unreachable workers are an error, or (tolerate_missing) left out."""
+        sync group. An unreachable configured worker is an error, or (tolerate_missing) left out;
+        a discovered one that fails in any way is left out."""
         self.session = uuid.uuid4().hex[:12]
         measure = self.requested_weights == "auto"
         candidates = [WorkerLink(i + 1, h, p, self.timeout) for i, (h, p) in enumerate(addresses)]
@@ -132,9 +133,10 @@ class ClusterEngine(Engine):
                 self.addresses.remove(w.address)
                 self.refused.add(w.address)
             elif isinstance(result, BaseException):
-                # a discovered worker busy with another root is left out too
-                expected = NetworkError if w.address not in self.discovered else DllamaError
-                if not isinstance(result, expected) or not tolerate_missing:
+                # a discovered worker that does not answer, or serves another root, is left out; a
+                # configured one only when tolerating (a rejoin or a recovery), and only if unreachable
+                found = w.address in self.discovered
+                if not isinstance(result, DllamaError if found else NetworkError) or not (tolerate_missing or found):
                     for other in candidates:
                         if other.conn is not None:
                             await other.conn.close()
