@@ -98,7 +98,7 @@ async def test_recv_timeout_keeps_connection_usable(pair):
 async def test_silent_peer_times_out(pair):
     """A peer that sends nothing (no heartbeats) while we wait on it: PeerTimeout after `timeout`."""
     client, server = pair
-    client.timeout = 0.4
+    client.liveness.timeout = 0.4
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout, match="sent nothing for 0.4 s"):
         await client.recv_array(into=np.empty(4, np.float32))
@@ -107,8 +107,8 @@ async def test_silent_peer_times_out(pair):
 
 async def test_heartbeats_keep_an_idle_peer_alive(pair):
     client, server = pair
-    client.timeout = 0.4
-    server.heartbeat = 0.1
+    client.liveness.timeout = 0.4
+    server.liveness.heartbeat = 0.1
     recv = asyncio.ensure_future(client.recv_msg())
     await asyncio.sleep(1.0)
     assert not recv.done(), "heartbeats should keep the peer alive"

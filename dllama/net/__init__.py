@@ -9,7 +9,9 @@
 See frames.py for the wire format and handshake.py for the handshake.
 """
 
-from .connection import DEFAULT_MAX_FRAME, Connection, PeerRef, as_bytes_view
+from .connection import DEFAULT_MAX_FRAME, Connection
+from .matching import as_bytes_view
+from .peer import PeerRef
 from .endpoints import ConnectionInbox, Listener, connect
 from .frames import (
     ARRAY,

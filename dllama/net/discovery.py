@@ -226,7 +226,8 @@ class Browser:
             self._ads[name] = ad
 
     def found(self) -> list[WorkerAd]:
-        """What is visible now, by name then address."""
+        """What is visible now, by name then address. (A root's compute thread asks too: copying the
+        values out of the dict is atomic under the GIL.)"""
         return sorted(self._ads.values(), key=lambda ad: (ad.name, ad.host, ad.port))
 
     def usable(self, secret: str | None) -> list[WorkerAd]:

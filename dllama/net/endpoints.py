@@ -16,7 +16,8 @@ import logging
 import time
 
 from ..errors import NetworkError, PeerTimeout, PeerUnreachable, ProtocolError
-from .connection import DEFAULT_MAX_FRAME, Connection, PeerRef
+from .connection import DEFAULT_MAX_FRAME, Connection
+from .peer import PeerRef
 from .handshake import HANDSHAKE_TIMEOUT, Hello, client_handshake, server_handshake
 
 log = logging.getLogger("dllama.net")

@@ -116,6 +116,25 @@ def pack_header(kind: FrameKind, tag: int, length: int) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind.code, 0, tag & 0xFFFFFFFF, length)
 
 
+def frame_limit(kind: FrameKind, max_frame: int) -> int:
+    """The most body bytes a frame of `kind` may carry on a connection with `max_frame`."""
+    return max_frame if kind.max_len is None else min(kind.max_len, max_frame)
+
+
+def check_header(magic, code: int, length: int, kinds: KindRegistry, max_frame: int):
+    """(kind, None) for a header we may read the body of, else (None, what is wrong). The
+    version is checked by the connection, which answers a mismatch in its own version."""
+    if magic != MAGIC:
+        return None, f"bad frame magic {bytes(magic)!r} (not a dllama peer?)"
+    kind = kinds.by_code(code)
+    if kind is None:
+        return None, f"unknown frame kind {code}"
+    limit = frame_limit(kind, max_frame)
+    if length > limit:
+        return None, f"{kind.name} frame of {length} bytes exceeds the limit of {limit} bytes"
+    return kind, None
+
+
 def pack_msg(body: dict) -> bytes:
     if not isinstance(body, dict):
         raise TypeError(f"a control message must be a dict, not {type(body).__name__}")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ..errors import AuthError, NetworkError, ProtocolError, VersionMismatch
 from . import frames as F
-from .connection import Connection, PeerRef
+from .connection import Connection
+from .peer import PeerRef
 
 ROLES = ("peer", "control")
 NONCE_BYTES = 16

@@ -9,13 +9,13 @@ five algorithms (star, ring, mesh, rd, rabenseifner) and auto selection.
     with ProcessCluster(4, "pkg.mod:fn", algo="ring") as cl: ...  # p ranks in p processes
 """
 
+from .calls import SyncStats
 from .codecs import CODECS, get_codec
 from .group import (
     ALGO_NAMES,
     ALGORITHMS,
     DEFAULT_TIMEOUT,
     ProcessGroup,
-    SyncStats,
     algo_name,
 )
 from .rendezvous import init_process_group

@@ -6,23 +6,22 @@ full mesh of dllama.net connections (`init_process_group`, in rendezvous.py, bui
 
 Every rank must call the same collectives in the same order with matching shapes, as in MPI;
 frames carry the call number, so a mismatch fails loudly instead of mixing data. A network
-failure fails the call on every rank: the rank that sees it tells the others (they raise
-PeerAborted naming the failed peer), and the group is unusable afterwards.
+failure fails the call on every rank and leaves the group unusable (calls.py). The algorithms
+are in their own modules, the buffer layout of each collective in layout.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import NetworkError, PeerAborted, PeerError
+from ..errors import NetworkError
 from ..net import Listener
 from ..net import frames as F
 from .auto import Auto
 from .base import Comm, split
+from .calls import Calls, SyncStats
 from . import layout as L
 from .codecs import CODECS, get_codec
 from .mesh import Mesh
@@ -53,13 +52,6 @@ def algo_name(algo: str) -> str:
     return name
 
 
-class SyncStats(NamedTuple):
-    calls: int
-    seconds: float  # wall time spent inside collectives
-    bytes_sent: int  # on the wire, headers included
-    bytes_recv: int
-
-
 class ProcessGroup:
     """p ranks that run collectives together. Not safe for overlapping calls: await each one."""
 
@@ -80,18 +72,7 @@ class ProcessGroup:
         self.auto = Auto(self._comm, self.algorithms)
         self.algo = algo_name(algo)
         self._default = self.auto if self.algo == "auto" else self.algorithms[self.algo]
-        self._seq = 0
-        self._busy = False
-        self._failed: BaseException | None = None
-        self._calls = 0
-        self._seconds = 0.0
-        self._base = (0, 0.0, 0, 0)
-        self._closing = False
-        # One lost peer makes the whole group unusable: fail it at once, even if the call now
-        # running waits on another peer (which would otherwise wait for its own timeout).
-        for c in conns:
-            if c is not None:
-                c.on_fail.append(self._connection_failed)
+        self._calls = Calls(rank, self._comm, conns)
 
     # ------------------------------------------------------------ info
     @property
@@ -107,15 +88,10 @@ class ProcessGroup:
     def stats(self) -> SyncStats:
         """Totals since creation (or the last reset_stats): calls, seconds in collectives,
         bytes sent/received on the sync connections (headers and heartbeats included)."""
-        sent = sum(c.bytes_sent for c in self._conns if c is not None)
-        recv = sum(c.bytes_recv for c in self._conns if c is not None)
-        b = self._base
-        return SyncStats(self._calls - b[0], self._seconds - b[1], sent - b[2], recv - b[3])
+        return self._calls.stats
 
     def reset_stats(self) -> None:
-        b = self._base
-        s = self.stats
-        self._base = (s.calls + b[0], s.seconds + b[1], s.bytes_sent + b[2], s.bytes_recv + b[3])
+        self._calls.reset_stats()
 
     @property
     def chunk_bytes(self) -> int:
@@ -128,11 +104,20 @@ class ProcessGroup:
 
     @property
     def failed(self) -> BaseException | None:
-        return self._failed
+        return self._calls.failed
 
     def choose(self, collective: str, nbytes: int, op: str | None = None) -> str:
         """Which algorithm this group runs for that call (the auto decision, or the fixed algo)."""
         return self.auto.choose(collective, nbytes, op) if self.algo == "auto" else self.algo
+
+    async def calibrate(self, size_chunks: bool = True) -> None:
+        """Measure the link for `auto` (a collective: every rank calls it); with `size_chunks`,
+        choose the pipelining chunk from the measured bandwidth."""
+        await self._calls.run(self.auto.calibrate())
+        if size_chunks and self.auto.beta:
+            # Every rank measured the same agreed beta, so every rank picks the same chunk size.
+            chunk = int(CHUNK_LINK_TIME / self.auto.beta) >> 16 << 16
+            self.chunk_bytes = min(max(chunk, CHUNK_RANGE[0]), CHUNK_RANGE[1])
 
     def _algorithm(self, algo):
         if algo is None:
@@ -140,61 +125,10 @@ class ProcessGroup:
         name = algo_name(algo)
         return self.auto if name == "auto" else self.algorithms[name]
 
-    # ------------------------------------------------------------ running a call
-    async def _run(self, coro):
-        if self._failed is not None or self._busy:
-            coro.close()
-            if self._busy:
-                raise RuntimeError("collectives on one process group must not overlap; await each call")
-            failed = self._failed
-            if isinstance(failed, PeerError):  # the same kind of error, naming the same peer, as the failure
-                raise type(failed)(f"process group unusable after an earlier failure: {failed.reason}", failed.peer)
-            raise NetworkError(f"process group unusable after an earlier failure: {failed}")
-        self._busy = True
-        self._seq += 1
-        self._comm.tag = self._seq & 0xFFFFFFFF
-        t0 = time.perf_counter()
-        try:
-            await coro
-            for c in self._conns:
-                if c is not None and not c.flushed:
-                    await c.flush()  # the caller may reuse its arrays once we return
-        except BaseException as e:
-            lost = self._failed if isinstance(e, PeerAborted) and isinstance(self._failed, NetworkError) else None
-            self._fail(e)
-            if lost is not None and lost is not e:
-                raise lost from None  # what really happened, not our own abort of the other peers
-            raise
-        finally:
-            self._busy = False
-            self._calls += 1
-            self._seconds += time.perf_counter() - t0
-
-    def _connection_failed(self, exc: BaseException) -> None:
-        # a peer that finished and said goodbye is no failure: only a later call that needs it is
-        if getattr(exc, "orderly", False) or self._closing or self._failed is not None:
-            return
-        self._fail(exc)
-
     def abort(self, reason: str) -> None:
         """Give up on the group now: every peer's pending and later calls fail at once (with
         PeerAborted naming this rank and the reason), not after their timeouts."""
-        self._fail(NetworkError(reason))
-
-    def _fail(self, exc: BaseException) -> None:
-        """Give up on the group and tell every peer why (their calls raise PeerAborted)."""
-        if self._failed is not None:
-            return
-        self._failed = exc
-        if isinstance(exc, NetworkError):  # names the peer, and for PeerAborted the whole chain
-            reason = str(exc)
-        elif isinstance(exc, asyncio.CancelledError):
-            reason = f"rank {self.rank}: collective cancelled"
-        else:
-            reason = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        for c in self._conns:
-            if c is not None and not c.closed:
-                c.abort(reason)
+        self._calls.fail(NetworkError(reason))
 
     # ------------------------------------------------------------ collectives
     async def all_reduce(self, a: np.ndarray, op: str = "sum", codec: str | None = None, *,
@@ -221,7 +155,7 @@ class ProcessGroup:
                 self._reducers.clear()
             red = self._reducers[(op, codec, a.dtype, a.size)] = Reducer(flat, opx, cdc, self._scratch)
         if self.size > 1 and flat.size:
-            await self._run(self._default.all_reduce(red) if algo is None else self._algorithm(algo).all_reduce(red))
+            await self._calls.run(self._default.all_reduce(red) if algo is None else self._algorithm(algo).all_reduce(red))
         if red.op.finish is not None:
             red.op.finish(flat, self.size)
         return a
@@ -239,7 +173,7 @@ class ProcessGroup:
         work = flat.copy()
         if self.size > 1 and flat.size:
             red = Reducer(work, opx, _EXACT, self._scratch)
-            await self._run(self._algorithm(algo).reduce_scatter(red, offs))
+            await self._calls.run(self._algorithm(algo).reduce_scatter(red, offs))
         mine = work[offs[self.rank]:offs[self.rank + 1]]
         if opx.finish is not None:
             opx.finish(mine, self.size)
@@ -254,7 +188,7 @@ class ProcessGroup:
         out8 = out.reshape(-1).view(np.uint8)
         out8[offs[self.rank]:offs[self.rank + 1]] = flat.view(np.uint8)
         if self.size > 1 and offs[-1]:
-            await self._run(self._algorithm(algo).all_gather(out8, offs))
+            await self._calls.run(self._algorithm(algo).all_gather(out8, offs))
         return out
 
     async def broadcast(self, a: np.ndarray, root: int = 0, *, algo: str | None = None) -> np.ndarray:
@@ -262,7 +196,7 @@ class ProcessGroup:
         flat = L.flat(a)
         self._check_root(root)
         if self.size > 1 and flat.size:
-            await self._run(self._algorithm(algo).broadcast(flat.view(np.uint8), root))
+            await self._calls.run(self._algorithm(algo).broadcast(flat.view(np.uint8), root))
         return a
 
     async def reduce(self, a: np.ndarray, op: str = "sum", root: int = 0, *,
@@ -276,7 +210,7 @@ class ProcessGroup:
         work = flat if self.rank == root else flat.copy()
         if self.size > 1 and flat.size:
             red = Reducer(work, opx, _EXACT, self._scratch)
-            await self._run(self._algorithm(algo).reduce(red, root))
+            await self._calls.run(self._algorithm(algo).reduce(red, root))
         if self.rank != root:
             return None
         if opx.finish is not None:
@@ -297,7 +231,7 @@ class ProcessGroup:
             out8 = out.reshape(-1).view(np.uint8)
             out8[offs[root]:offs[root + 1]] = own
         if self.size > 1 and offs[-1]:
-            await self._run(self._algorithm(algo).gather(out8, own, offs, root))
+            await self._calls.run(self._algorithm(algo).gather(out8, own, offs, root))
         return out
 
     async def scatter(self, a: np.ndarray | None, root: int = 0, *, counts=None, out=None,
@@ -332,13 +266,13 @@ class ProcessGroup:
             await self._algorithm(algo).scatter(src, block.reshape(-1).view(np.uint8), offs, root)
             blocks.append(block)
 
-        await self._run(body())
+        await self._calls.run(body())
         return L.deliver(blocks[0], out, "scatter")
 
     async def barrier(self, *, algo: str | None = None) -> None:
         """Returns once every rank has entered the barrier."""
         if self.size > 1:
-            await self._run(self._algorithm(algo).barrier())
+            await self._calls.run(self._algorithm(algo).barrier())
 
     def _check_root(self, root):
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -348,7 +282,7 @@ class ProcessGroup:
     async def close(self) -> None:
         """Close the sync connections (peers' pending calls raise PeerClosed) and the listener
         this group started, if any."""
-        self._closing = True
+        self._calls.closing = True
         await asyncio.gather(*(c.close() for c in self._conns if c is not None), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()

@@ -10,8 +10,7 @@ import os
 from ..errors import ProtocolError
 from ..net import ConnectionInbox, Listener, PeerRef, connect
 from ..net.connection import DEFAULT_MAX_FRAME
-from .group import (CHUNK_LINK_TIME, CHUNK_RANGE, DEFAULT_CHUNK, DEFAULT_SPIN, DEFAULT_TIMEOUT, ProcessGroup,
-                    algo_name)
+from .group import DEFAULT_CHUNK, DEFAULT_SPIN, DEFAULT_TIMEOUT, ProcessGroup, algo_name
 
 
 def peers_of(session: str, inbox: ConnectionInbox):
@@ -93,8 +92,8 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
         if conn.hello is not None and conn.hello.world not in (None, world):
             conn.abort(f"world size mismatch: {conn.hello.world} != {world}")
             raise ProtocolError(f"thinks the group has {conn.hello.world} ranks, we think {world}", conn.peer)
-        conn.timeout = timeout
-        conn.heartbeat = heartbeat
+        conn.liveness.timeout = timeout
+        conn.liveness.heartbeat = heartbeat
         conn.max_frame = max_frame
         return conn
 
@@ -115,9 +114,5 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
     group = ProcessGroup(rank, world, conns, algo=algo, session=session,
                          chunk_bytes=chunk_bytes or DEFAULT_CHUNK, listener=listener, addrs=addrs, spin=spin)
     if algo == "auto":
-        await group._run(group.auto.calibrate())
-        if chunk_bytes is None and group.auto.beta:
-            # Every rank measured the same agreed beta, so every rank picks the same chunk size.
-            chunk = int(CHUNK_LINK_TIME / group.auto.beta) >> 16 << 16
-            group.chunk_bytes = min(max(chunk, CHUNK_RANGE[0]), CHUNK_RANGE[1])
+        await group.calibrate(size_chunks=chunk_bytes is None)
     return group
