@@ -2,13 +2,18 @@
 
 `Engine` is what generation, chat, perplexity and the API server talk to; whether the model runs
 on this process alone (`LocalEngine`) or across a cluster (`dllama.cluster`) is hidden behind it.
+
+One threading model on every node: a node computes on the thread that runs its network loop,
+so a step's sync points are awaited where the kernels run (no thread hop per layer). A worker's
+main loop is that thread; the root's engine runs its own (`ComputeThread`), and the front end
+(chat, the API server) hands it each step once, its own loop staying responsive meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -18,6 +23,7 @@ from .config import ModelConfig
 from .errors import ContextOverflow
 from .gguf_model import GGUFModel
 from .model import ShardModel, ShardWeights
+from .net.loop import new_event_loop
 from .plan import Plan
 from .projection import Reduce
 from .sampling import LogitSummary, SamplingParams
@@ -43,8 +49,46 @@ class StepStats:
                          self.bytes_sent - other.bytes_sent, self.bytes_recv - other.bytes_recv)
 
 
+class ComputeThread:
+    """The root's compute thread: its own event loop, on which the engine's steps (and a cluster's
+    connections) run. Always the same thread: OpenMP keeps a team of workers per calling thread,
+    and numba's thread count is per calling thread (the creator's is handed over)."""
+
+    def __init__(self):
+        self.loop = new_event_loop()
+        self._stopping = False
+        threads = numba.get_num_threads()
+        self._thread = threading.Thread(target=self._main, args=(threads,), name="dllama-compute", daemon=True)
+        self._thread.start()
+
+    def _main(self, threads: int) -> None:
+        numba.set_num_threads(threads)
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    async def run(self, coroutine):
+        """Await `coroutine` on the compute loop; cancelling the wait cancels it there."""
+        if self.stopped:
+            coroutine.close()
+            raise RuntimeError("the engine is closed")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
+    @property
+    def stopped(self) -> bool:
+        return not self._thread.is_alive() or self._stopping
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self._stopping = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 class Engine:
-    """Holds the KV cache position. Subclasses implement `_forward`."""
+    """Holds the KV cache position. Subclasses implement `_forward`, which runs on the compute
+    thread, like anything else of theirs that touches the model or the network."""
 
     config: ModelConfig
     ctx_size: int
@@ -58,6 +102,7 @@ class Engine:
         self.context: list[int] = []  # the tokens in the KV cache, in order
         self.stats = StepStats()
         self.lock = asyncio.Lock()  # one generation at a time drives the engine
+        self.compute = ComputeThread()
 
     async def feed(self, tokens: list[int], params: SamplingParams, recent: list[int] = (),
                    targets: list[int] | None = None) -> list[list[LogitSummary]]:
@@ -70,8 +115,8 @@ class Engine:
             chunk = tokens[i:i + PREFILL_CHUNK]
             chunk_targets = None if targets is None else targets[i:i + len(chunk)]
             want_logits = chunk_targets is not None or i + len(chunk) == len(tokens)
-            out += await self._forward(chunk, Step.of(self.n_cached, len(chunk), params, recent, chunk_targets,
-                                                      want_logits))
+            step = Step.of(self.n_cached, len(chunk), params, recent, chunk_targets, want_logits)
+            out += await self.compute.run(self._forward(chunk, step))
             self.context += chunk
         return out
 
@@ -103,17 +148,7 @@ class Engine:
         raise NotImplementedError
 
     async def close(self) -> None:
-        pass
-
-
-def _run_to_end(coroutine):
-    """Run a coroutine that never suspends (a forward pass without a network all-reduce)."""
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return done.value
-    coroutine.close()
-    raise RuntimeError("a local forward pass tried to wait on something")
+        self.compute.stop()
 
 
 class LocalEngine(Engine):
@@ -132,22 +167,10 @@ class LocalEngine(Engine):
         self.model = model
         self.node = NodeStep(model, None, None)  # a node without a group: its sync points are no-ops
         self.ctx_size = model.ctx_size
-        # numba's thread count is per calling thread: hand ours (set_threads) to the compute thread
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="dllama-compute",
-                                           initializer=numba.set_num_threads, initargs=(numba.get_num_threads(),))
 
     async def _forward(self, tokens, step):
-        # in a thread, so that the event loop (an API server's health checks, a client's
-        # disconnect) stays responsive during a long step; the kernels release the GIL. Always
-        # the same thread: OpenMP keeps a team of workers per calling thread.
-        return await asyncio.get_running_loop().run_in_executor(self._compute, self._forward_sync, tokens, step)
-
-    async def close(self) -> None:
-        self._compute.shutdown(wait=False)
-
-    def _forward_sync(self, tokens, step):
         t0 = time.perf_counter()
         x = self.embedding.row_values(np.asarray(tokens))
-        summaries = _run_to_end(self.node.run(x, step))
+        summaries = await self.node.run(x, step)
         self.stats.compute_s += time.perf_counter() - t0
         return [[s] for s in summaries]

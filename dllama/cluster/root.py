@@ -97,13 +97,21 @@ class ClusterEngine(Engine):
     # ------------------------------------------------------------------ building a session
 
     async def start(self) -> "ClusterEngine":
+        """Plan, connect and load the workers (on the compute thread, where the connections live)."""
+        try:
+            await self.compute.run(self._start())
+        except BaseException:
+            await self._close_front()
+            raise
+        return self
+
+    async def _start(self) -> None:
         try:
             self._add_discovered(starting=True)
             await self._build(self.addresses, tolerate_missing=False)  # a configured worker must answer
         except BaseException:
-            await self.close()
+            await self._teardown()
             raise
-        return self
 
     def _add_discovered(self, starting: bool = False) -> list[tuple[str, int]]:
         """Usable workers the browser sees that are not configured yet: they are from now on."""
@@ -238,6 +246,9 @@ class ClusterEngine(Engine):
                     f"{position} token(s) of context replayed")
 
     async def on_request(self) -> None:
+        await self.compute.run(self._rejoin())
+
+    async def _rejoin(self) -> None:
         """Before a request: configured workers that are missing may have come back, and (--workers
         auto) new ones may have appeared; if any, re-plan with them (the next prompt rebuilds the cache)."""
         fresh = self._add_discovered()
@@ -300,7 +311,15 @@ class ClusterEngine(Engine):
 
     async def close(self) -> None:
         try:
-            await self._teardown()
+            if not self.compute.stopped:  # (closing twice is harmless)
+                await self.compute.run(self._teardown())
         finally:
+            await self._close_front()
+
+    async def _close_front(self) -> None:
+        """What lives on the front end's loop: the discovery browser; then the compute thread."""
+        try:
             if self.browser is not None:
                 await self.browser.close()
+        finally:
+            self.compute.stop()
