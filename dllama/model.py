@@ -16,8 +16,9 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
-from .kernels.matmul import Activations
-from .kernels.ops import attention, gelu_mul, rmsnorm, rope, silu_mul, softcap
+from .kernels.activations import Activations
+from .kernels.attention import attention
+from .kernels.ops import gelu_mul, rmsnorm, rope, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
 from .plan import Shard, cache_length
 from .quant import FORMATS

@@ -18,8 +18,9 @@ from functools import cached_property
 
 import numpy as np
 
-from .kernels.matmul import Activations
-from .kernels.ops import silu_mul, softmax
+from .kernels.activations import Activations
+from .kernels.attention import softmax
+from .kernels.ops import silu_mul
 from .weights import Experts
 
 _MIN_WEIGHT_SUM = np.float32(6.103515625e-5)  # llama.cpp clamps the sum (the smallest normal f16)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .kernels.matmul import Activations, Q8Activations
+from .kernels.activations import Activations, Q8Activations
 from .quant import QK, QType
 from .weights import Matrix
 

@@ -9,24 +9,7 @@ import time
 import numpy as np
 
 from dllama.errors import NetworkError
-from dllama.net import ConnectionInbox
 from dllama.sync.procs import report
-
-
-def daemon_dispatch():
-    """The worker-daemon pattern on one port: control connections go to a queue for the daemon,
-    peer connections are parked per (session, rank) in an inbox until a sync group takes them.
-    Returns (dispatch for a Listener, control queue, inbox)."""
-    inbox = ConnectionInbox()
-    control = asyncio.Queue()
-
-    def dispatch(conn, hello):
-        if hello.role == "control":
-            control.put_nowait(conn)
-        else:
-            inbox.put(conn, hello)
-
-    return dispatch, control, inbox
 
 
 def exact_inputs(n: int, rank: int, dtype, salt: int = 0) -> np.ndarray:

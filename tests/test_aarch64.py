@@ -54,7 +54,7 @@ def _skip_reason() -> str | None:
 
 
 # Mounts in the new namespace, then the chroot. The tmpfs /tmp gives numba a fresh cache each run:
-# its cache does not notice edits to simd.py (only to the file that holds the jitted function).
+# its cache does not notice edits to the simd*.py intrinsics (only to the file that holds the jitted function).
 _INNER = r"""
 set -e
 mount --bind "$SRC" "$R/src"

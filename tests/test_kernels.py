@@ -9,9 +9,11 @@ import pytest
 from numba import njit
 
 from dllama.config import RopeScaling
-from dllama.kernels.matmul import Activations, Q8Activations, Q8KActivations, matmul, matmul_ref, round_f16
-from dllama.kernels.ops import (attention, attention_ref, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm,
-                                rmsnorm_ref, rope, rope_ref, silu_mul, silu_mul_ref, softcap)
+from dllama.kernels.activations import Activations, Q8Activations, Q8KActivations, round_f16
+from dllama.kernels.attention import attention, attention_ref
+from dllama.kernels.matmul import matmul, matmul_ref
+from dllama.kernels.ops import (expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
+                                silu_mul_ref, softcap)
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
@@ -438,7 +440,7 @@ def test_attention_rejects_unaligned_shapes():
 
 @pytest.mark.parametrize("n", [1, 7, 8, 33, 300])
 def test_softmax_equals_reference(n):
-    from dllama.kernels.ops import softmax, softmax_ref
+    from dllama.kernels.attention import softmax, softmax_ref
 
     x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32) * 5
     got = softmax(x)

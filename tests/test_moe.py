@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from dllama.cluster.slices import from_bytes, make_entry, tensor_bytes
-from dllama.kernels.matmul import Activations
-from dllama.kernels.ops import silu_mul_ref, softmax_ref
+from dllama.kernels.activations import Activations
+from dllama.kernels.attention import softmax_ref
+from dllama.kernels.ops import silu_mul_ref
 from dllama.moe import RoutedDown, expert_activations, route
 from dllama.quant import QType, quantize
 from dllama.weights import Experts, Matrix

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from dllama.errors import AuthError, MalformedFrame, PeerAborted, PeerClosed, VersionMismatch
+from dllama.errors import AuthError, MalformedFrame, PeerAborted, VersionMismatch
 from dllama.net import HEADER, MAGIC, PROTOCOL_VERSION, Listener, connect
 from dllama.net import frames as F
 
@@ -197,37 +197,3 @@ async def test_oversized_frame_after_handshake_names_the_peer(served):
         await server_conn.recv_array(dtype=np.uint8)
     with pytest.raises(PeerAborted, match="gave up: .*exceeds the limit of 65536"):  # told why
         await conn.recv_msg(timeout=5)
-
-
-async def test_a_worker_daemon_parks_only_the_peers_of_its_session():
-    """The worker daemon's one port: a root's control connection is served, a peer connection of
-    the session in progress is parked until its sync group takes it, and a peer of no session or
-    of another one is hung up on (it would wait in the inbox for ever)."""
-    from dllama.cluster import messages as M
-    from dllama.cluster import protocol as P
-    from dllama.cluster.worker import Worker
-
-    worker = Worker(timeout=5)
-    host, port = await worker.start("127.0.0.1", 0)
-    conns = []
-    try:
-        stray = await connect(host, port, role="peer", rank=1, session="s1")
-        conns.append(stray)
-        with pytest.raises(PeerClosed):  # no session yet: hung up on, not parked (that would time out)
-            await stray.recv_msg(timeout=5)
-        root = await connect(host, port, role="control")
-        conns.append(root)
-        await root.send_msg(P.PROBE, M.Probe(False).to_wire())
-        assert (await root.recv_msg((P.PROBED, P.FAILED), timeout=10))[0] == P.PROBED.name
-        worker.session_id = "s1"  # what this root's SETUP would set
-        conns += [await connect(host, port, role="peer", rank=1, session=s) for s in ("s1", "s2")]
-        got = await worker.inbox.take("s1", 1, timeout=2)
-        assert got.hello.session == "s1"
-        with pytest.raises(PeerClosed):
-            await conns[-1].recv_msg(timeout=5)
-        with pytest.raises(Exception, match="did not connect within"):
-            await worker.inbox.take("s2", 1, timeout=0.1)
-    finally:
-        for c in conns:
-            await c.close()
-        await worker.close()

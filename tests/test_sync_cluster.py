@@ -1,6 +1,6 @@
-"""Groups as the cluster will build them: ranks in separate processes, a worker daemon that owns
-one port for control and peer connections, a root that only connects out; the counters the
-engine reports; and the bench-sync command."""
+"""Groups as the cluster builds them: ranks in separate processes; real worker daemons that own one
+port for control and peer connections (their session filter, their one-root-at-a-time refusal) and
+a root that only connects out; the counters the engine reports; and the bench-sync command."""
 
 from __future__ import annotations
 
@@ -9,15 +9,21 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from dllama.net import Listener, connect
-from dllama.sync import init_process_group, run_processes
+from dllama.cluster import messages as M
+from dllama.cluster import protocol as P
+from dllama.cluster.worker import Worker
+from dllama.engine import LocalEngine
+from dllama.errors import PeerClosed, PeerTimeout
+from dllama.gguf_model import GGUFModel
+from dllama.net import connect
+from dllama.sync import run_processes
+from dllama.sync_config import SyncConfig
 
-from .sync_helpers import daemon_dispatch
+from .cluster_helpers import HandRoot, greedy_tokens, in_process_cluster
 
-SECRET = "cluster-secret"
+PROMPT = [1, 17, 300, 4242, 99]
 
 
 def test_every_algorithm_across_processes():
@@ -36,46 +42,85 @@ def test_counters_bytes_and_seconds():
         assert n * 4 + 32 <= s["sent"] <= n * 4 + 64 and n * 4 + 32 <= s["recv"] <= n * 4 + 64
 
 
-async def _worker_daemon(ready: asyncio.Future, results: list):
-    """What `dllama worker --port P` does with one port: control connections to the daemon,
-    peer connections parked in an inbox for the sync group."""
-    dispatch, control, inbox = daemon_dispatch()
-    async with Listener(dispatch, secret=SECRET) as listener:
-        await listener.start("127.0.0.1", 0)
-        ready.set_result(listener.port)
-        ctl = await control.get()
-        _, job = await ctl.recv_msg(timeout=10)
-        group = await init_process_group(job["rank"], job["world"], job["addrs"], session=job["session"],
-                                         algo=job["algo"], secret=SECRET, incoming=inbox, spin=0)
-        x = np.full(6, job["rank"] + 1.0, np.float32)
-        await group.all_reduce(x)
-        await ctl.send_msg("message", {"rank": group.rank, "x": x.tolist(), "sent": group.stats.bytes_sent})
-        results.append(group.stats)
-        await group.close()
-        await ctl.close()
+@pytest.fixture(scope="module")
+def model(synthetic_model):
+    return GGUFModel(synthetic_model("Q4_1"))
 
 
 @pytest.mark.parametrize("algo", ["ring", "auto"])
-async def test_root_and_worker_daemons(algo):
-    loop = asyncio.get_running_loop()
-    ports = [loop.create_future() for _ in range(2)]
-    stats = []
-    daemons = [asyncio.ensure_future(_worker_daemon(f, stats)) for f in ports]
-    workers = [("127.0.0.1", await f) for f in ports]
-    addrs = [None] + workers  # the root (rank 0) does not listen: it connects to everyone
-    controls = [await connect(h, p, role="control", secret=SECRET, peer_rank=i + 1) for i, (h, p) in enumerate(workers)]
-    for i, ctl in enumerate(controls):
-        await ctl.send_msg("message", {"rank": i + 1, "world": 3, "addrs": addrs, "session": "job-7", "algo": algo})
-    group = await init_process_group(0, 3, addrs, session="job-7", algo=algo, secret=SECRET, spin=0)
-    x = np.full(6, 1.0, np.float32)
-    await group.all_reduce(x)
-    assert x.tolist() == [6.0] * 6
-    replies = [(await ctl.recv_msg(timeout=10))[1] for ctl in controls]
-    assert [r["x"] for r in replies] == [[6.0] * 6] * 2 and all(r["sent"] > 0 for r in replies)
-    await group.close()
-    await asyncio.gather(*daemons)
-    for ctl in controls:
-        await ctl.close()
+async def test_root_and_worker_daemons(model, algo):
+    """A root that only connects out and two real worker daemons, each on one port for control and
+    peer connections, build a 3-rank group with `algo`: its all-reduces (reduce mode, f64) give the
+    1-node answer in f64, and every worker sent and received sync bytes."""
+    async with in_process_cluster(model, 2, algo=algo, sync_dtype="f64", ctx=64) as (engine, _):
+        tokens = await greedy_tokens(engine, PROMPT, 6)
+        figures = [w.last_stats for w in engine.workers]
+    alone = LocalEngine(model, 64, SyncConfig(dtype="f64"))
+    try:
+        assert tokens == await greedy_tokens(alone, PROMPT, 6)
+    finally:
+        await alone.close()
+    assert len(figures) == 2 and all(f["sent"] > 0 and f["recv"] > 0 for f in figures)
+
+
+async def _closed_by_worker(conn) -> bool:
+    """Whether the worker hangs up on `conn` (within 5 s) instead of keeping it."""
+    try:
+        await conn.recv_msg(timeout=5)
+    except PeerTimeout:
+        return False
+    except PeerClosed:
+        return True
+    finally:
+        await conn.close()
+    raise AssertionError("the worker sent a message to a peer connection")
+
+
+async def test_worker_parks_only_peers_of_its_session(model):
+    """The worker's session filter: a peer connection is parked for the sync group only while it
+    claims the session in progress; one claiming another session, or arriving before or after a
+    session, is hung up on at once (it would otherwise wait in the inbox for ever)."""
+    worker = Worker(timeout=10)
+    host, port = await worker.start("127.0.0.1", 0)
+    root = HandRoot(model, (host, port))
+    try:
+        assert await _closed_by_worker(await connect(host, port, role="peer", rank=0, session="none-yet"))
+        await root.open_session()
+        assert await _closed_by_worker(await connect(host, port, role="peer", rank=0, session="another"))
+        parked = await connect(host, port, role="peer", rank=5, session=root.session)
+        assert not await _closed_by_worker(parked) and len(worker.inbox) == 1
+        session = root.session
+        await root.close()
+        for _ in range(100):  # the worker ends the session after END
+            if worker.session_id is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await _closed_by_worker(await connect(host, port, role="peer", rank=0, session=session))
+    finally:
+        await root.close()
+        await worker.close()
+
+
+async def test_a_second_root_is_refused_while_a_session_runs(model):
+    """The worker serves one root: a second control connection during a session is answered
+    "busy" (a real root retries), and the first session goes on undisturbed."""
+    worker = Worker(timeout=10)
+    address = await worker.start("127.0.0.1", 0)
+    first = HandRoot(model, address)
+    try:
+        await first.open_session()
+        second = await connect(*address, role="control", session="other", timeout=5)
+        try:
+            kind, body = await second.recv_msg((P.NEED, P.FAILED), timeout=5)
+        finally:
+            await second.close()
+        assert kind == P.FAILED.name and "busy" in body["error"]
+        step, x = first.forward(PROMPT)
+        kind, body = await first.send_step(M.to_wire(step), x, step)
+        assert kind == P.RESULT.name, body
+    finally:
+        await first.close()
+        await worker.close()
 
 
 def test_bench_sync_command_json():

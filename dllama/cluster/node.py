@@ -34,7 +34,8 @@ def rss_mb() -> float:
 def measure_speed(seconds: float = 0.3) -> float:
     """This node's matmul throughput in GMAC/s on a Q4_0 layer-sized matrix: the figure the
     root uses to split the model in proportion when asked (--weights auto)."""
-    from ..kernels.matmul import Activations, matmul
+    from ..kernels.activations import Activations
+    from ..kernels.matmul import matmul
     from ..quant import QType, quantize
 
     rng = np.random.default_rng(0)

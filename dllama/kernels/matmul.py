@@ -1,9 +1,10 @@
 """Quantized matrix products, numba kernels beside their numpy reference.
 
 As in llama.cpp, the activations are quantized per 32-block to 8 bits (GGML's Q8_0 / Q8_1:
-int8 values, an f16 scale d and, for Q4_1, the f16 product d*sum(q)), so the inner loop is an
-integer dot of one weight block with one activation block (`simd.py`) and scales are applied
-once per block. The block dot products and their float accumulation order are in `simd.py`.
+int8 values, an f16 scale d and, for Q4_1, the f16 product d*sum(q); `activations.py`), so the
+inner loop is an integer dot of one weight block with one activation block and scales are applied
+once per block. The block dot products and their float accumulation order are in `simd_q8.py`
+(K-quants: `simd_q8k.py`, against Q8_K activations).
 
 `matmul(w, qtype, x)` takes x of shape (T, cols) and returns (T, rows): T = 1 is the decode
 matvec, T > 1 the batched prefill, where each weight row is read once for all T tokens.
@@ -11,144 +12,22 @@ matvec, T > 1 the batched prefill, where each weight row is read once for all T 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
-from .simd import (dot_f16_f16_vec, dot_f32_f32_vec, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
-                   dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_0_q8,
-                   dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
-                   dot_q6_k_q8k_wide, dot_q8_0_q8, dot_q8_0_q8_wide, f16_at)
+from . import CACHE
+from .activations import Activations, Q8Activations, Q8KActivations, round_f16
+from .simd_float import dot_f16_f16_vec, dot_f32_f32_vec, f16_at
+from .simd_q8 import (dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide,
+                      dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide)
+from .simd_q8k import (dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
+                       dot_q6_k_q8k_wide)
 
-CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ  # set it to inspect the generated assembly
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
 # and flags it ("invalid value encountered in cast"); they stay NaNs, so the flag is noise.
 with np.errstate(invalid="ignore"):
     F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-def round_f16(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float32)
-
-
-# ------------------------------------------------------------------ activation quantization
-
-
-@njit(parallel=True, nogil=True, cache=CACHE)
-def _quantize_q8(x, xq, xd, xds):
-    T, cols = x.shape
-    for t in prange(T):
-        for b in range(cols // 32):
-            o = b * 32
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, o + j]))
-            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[t, o + j] * inv))  # round half to even, as GGML's SIMD path
-                xq[t, o + j] = q
-                s += q
-            d = amax / np.float32(127.0)
-            xd[t, b] = d
-            xds[t, b] = d * np.float32(s)  # in f32, as GGML, before rounding to f16
-
-
-class Q8Activations:
-    """x (T, cols) quantized to Q8 per 32-block: q int8, d (rounded to f16), ds = d*sum(q)
-    (rounded to f16: GGML's block_q8_1 s field, which Q4_1's dot product needs)."""
-
-    __slots__ = ("q", "d", "ds")
-
-    def __init__(self, q, d, ds):
-        # the kernels step from row to row by the first stride and read each row as contiguous: an
-        # array assembled from others (a Q8 gather with empty parts) can come out column-major
-        self.q, self.d, self.ds = (np.ascontiguousarray(a) for a in (q, d, ds))
-
-    @classmethod
-    def quantize(cls, x: np.ndarray) -> "Q8Activations":
-        T, cols = x.shape
-        q = np.empty((T, cols), np.int8)
-        d = np.empty((T, cols // QK), np.float32)
-        ds = np.empty((T, cols // QK), np.float32)
-        _quantize_q8(x, q, d, ds)
-        return cls(q, round_f16(d), round_f16(ds))
-
-    @classmethod
-    def quantize_ref(cls, x: np.ndarray) -> "Q8Activations":
-        T, cols = x.shape
-        xb = x.reshape(T, -1, QK).astype(np.float32)
-        amax = np.abs(xb).max(axis=-1)
-        inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax != 0)
-        q = np.rint(xb * inv[..., None]).astype(np.int8)
-        d = amax / np.float32(127.0)
-        total = q.astype(np.int32).sum(axis=-1).astype(np.float32)
-        return cls(q.reshape(T, cols), round_f16(d), round_f16(d * total))
-
-
-@njit(parallel=True, nogil=True, cache=CACHE)
-def _quantize_q8_k(x, xq, xd, xs):
-    """GGML's quantize_row_q8_K_ref: per 256 values, the signed extreme maps to -127."""
-    T, cols = x.shape
-    for t in prange(T):
-        for b in range(cols // 256):
-            o = b * 256
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(256):
-                a = abs(x[t, o + j])
-                if a > amax:
-                    amax, vmax = a, x[t, o + j]
-            if amax == 0:
-                xd[t, b] = 0.0
-                for j in range(256):
-                    xq[t, o + j] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for j in range(256):
-                    xq[t, o + j] = min(127, np.int32(np.rint(iscale * x[t, o + j])))
-                xd[t, b] = np.float32(1.0) / iscale
-            for g in range(16):
-                s = 0
-                for j in range(16):
-                    s += xq[t, o + 16 * g + j]
-                xs[t, 16 * b + g] = s
-
-
-class Q8KActivations:
-    """x (T, cols) quantized to Q8_K per 256 values (the K-quants' activations): q int8, d f32
-    scale per 256, sums: int32 sum of every 16 q."""
-
-    __slots__ = ("q", "d", "sums")
-
-    def __init__(self, q, d, sums):
-        self.q, self.d, self.sums = (np.ascontiguousarray(a) for a in (q, d, sums))
-
-    @classmethod
-    def quantize(cls, x: np.ndarray) -> "Q8KActivations":
-        T, cols = x.shape
-        if cols % 256:
-            raise ValueError(f"Q8_K needs rows of a multiple of 256 values, not {cols}")
-        q = np.empty((T, cols), np.int8)
-        d = np.empty((T, cols // 256), np.float32)
-        sums = np.empty((T, cols // 16), np.int32)
-        _quantize_q8_k(x, q, d, sums)
-        return cls(q, d, sums)
-
-    @classmethod
-    def quantize_ref(cls, x: np.ndarray) -> "Q8KActivations":
-        T, cols = x.shape
-        xb = x.reshape(T, -1, 256).astype(np.float32)
-        vmax = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-        with np.errstate(divide="ignore"):
-            iscale = np.where(vmax != 0, np.float32(-127.0) / vmax, np.float32(0))
-        q = np.minimum(127, np.rint(xb * iscale[..., None])).astype(np.int8)
-        with np.errstate(divide="ignore"):
-            d = np.where(iscale != 0, np.float32(1.0) / iscale, np.float32(0)).astype(np.float32)
-        sums = q.reshape(T, -1, 16).astype(np.int32).sum(-1)
-        return cls(q.reshape(T, cols), d, sums)
 
 
 # ------------------------------------------------------------------ kernels
@@ -261,60 +140,6 @@ def _mm_f16_wide(w, x16, tbl, out):
 _K_KERNEL = {QType.Q4_K: _Q4_K, QType.Q5_K: _Q5_K, QType.Q6_K: _Q6_K}
 _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.Q5_0: _Q5_0, QType.Q5_1: _Q5_1,
                  QType.IQ4_NL: _IQ4_NL}
-
-
-class Activations:
-    """Activations x (T, cols) float32, with the forms the kernels read computed once on first
-    use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
-
-    __slots__ = ("x", "_q8", "_q8k", "_f16")
-
-    def __init__(self, x: np.ndarray):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        self.x = x[None, :] if x.ndim == 1 else x
-        self._q8 = self._q8k = self._f16 = None
-
-    @classmethod
-    def from_q8(cls, q8: Q8Activations) -> "Activations":
-        """Activations known only in their Q8 form (gathered from other nodes as blocks): they
-        feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
-        self = cls.__new__(cls)
-        self.x, self._q8, self._q8k, self._f16 = None, q8, None, None
-        return self
-
-    def take(self, index: np.ndarray) -> "Activations":
-        """The rows `index` (in that order), with the forms computed so far: each row is quantized
-        on its own, so a row's blocks are the same bits taken from here or computed anew."""
-        out = Activations.__new__(Activations)
-        out.x = None if self.x is None else self.x[index]
-        out._q8 = None if self._q8 is None else Q8Activations(self._q8.q[index], self._q8.d[index],
-                                                               self._q8.ds[index])
-        out._q8k = None if self._q8k is None else Q8KActivations(self._q8k.q[index], self._q8k.d[index],
-                                                                   self._q8k.sums[index])
-        out._f16 = None if self._f16 is None else self._f16[index]
-        return out
-
-    @property
-    def tokens(self) -> int:
-        return (self.x if self.x is not None else self._q8.q).shape[0]
-
-    @property
-    def q8(self) -> Q8Activations:
-        if self._q8 is None:
-            self._q8 = Q8Activations.quantize(self.x)
-        return self._q8
-
-    @property
-    def q8k(self) -> Q8KActivations:
-        if self._q8k is None:
-            self._q8k = Q8KActivations.quantize(self.x)
-        return self._q8k
-
-    @property
-    def f16_bits(self) -> np.ndarray:  # GGML converts the activations to f16 for an f16 weight
-        if self._f16 is None:
-            self._f16 = self.x.astype(np.float16).view(np.uint16)
-        return self._f16
 
 
 def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: bool = False) -> np.ndarray:

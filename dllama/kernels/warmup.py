@@ -15,7 +15,9 @@ import numpy as np
 
 from ..quant import QType, quantize
 from . import ops
-from .matmul import Activations, matmul
+from .activations import Activations
+from .attention import attention
+from .matmul import matmul
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -48,8 +50,8 @@ def warm_up(verbose: bool = False) -> float:
     ops.rope(q, np.arange(3), 64, 10000.0, False, _read_only(np.ones(32, np.float32)))
     k_cache = np.zeros((2, 32, 64), np.float16)
     v_cache = np.zeros((2, 64, 32), np.float16)
-    ops.attention(q, k_cache, v_cache, np.array([0, 0, 1, 1]), 0)
-    ops.attention(q[:1], k_cache, v_cache, np.array([0, 0, 1, 1]), 3)
+    attention(q, k_cache, v_cache, np.array([0, 0, 1, 1]), 0)
+    attention(q[:1], k_cache, v_cache, np.array([0, 0, 1, 1]), 3)
     return time.perf_counter() - t0
 
 

@@ -23,8 +23,8 @@ CHECK_PREFIX = "aarch64-check:"
 # at the plugin's import, before conftest.py or a test module can import them with warnings allowed
 with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)
-    import dllama.kernels.matmul  # noqa: F401
-    import dllama.kernels.ops  # noqa: F401
+    for module in ("matmul", "ops", "attention"):
+        importlib.import_module(f"dllama.kernels.{module}")
 
 
 def pytest_configure(config):

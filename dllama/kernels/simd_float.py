@@ -1,0 +1,121 @@
+"""Float intrinsics that round as GGML does: the f16 / f32 vector dots of llama.cpp's one-token
+path (ggml_vec_dot_f16 / _f32: F16 and F32 weights, attention), its 8-lane sum (the softmax), and
+scalar operations numba does not expose (fma with one rounding, float bit casts, f16 rounding)
+that exp, RoPE and GELU need. Built on the IR pieces of simd.py.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .simd import F16, F32, I16, I32, I64, LANES, const_vec, data_ptr, fmuladd, hsum_float_8, load_at, vec
+
+
+def _ggml_vec_dot(elem: ir.Type):
+    """The codegen of GGML's ggml_vec_dot_f16 / ggml_vec_dot_f32 order (see dot_f16_f16_vec)."""
+    size = 2 if elem is F16 else 4
+
+    def codegen(context, builder, signature, args):
+        a_arr, a_off, b_arr, b_off, count = args
+        a_ptr = builder.gep(data_ptr(context, builder, signature.args[0], a_arr), [a_off])
+        b_ptr = builder.gep(data_ptr(context, builder, signature.args[2], b_arr), [b_off])
+        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+        slots = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+        for slot in slots:
+            builder.store(zero, slot)
+
+        def load(ptr, offset):
+            if elem is F32:
+                return load_at(builder, ptr, offset, F32, LANES)
+            return builder.fpext(builder.bitcast(load_at(builder, ptr, offset, I16, LANES), vec(F16, LANES)),
+                                 vec(F32, LANES))
+
+        n_steps = builder.sdiv(count, ir.Constant(count.type, 4 * LANES))
+        with cgutils.for_range(builder, n_steps) as loop:
+            base = builder.mul(loop.index, ir.Constant(I64, size * 4 * LANES))
+            for j, slot in enumerate(slots):
+                offset = builder.add(base, ir.Constant(I64, size * LANES * j))
+                builder.store(fmuladd(builder, load(a_ptr, offset), load(b_ptr, offset), builder.load(slot)), slot)
+        s0, s1, s2, s3 = (builder.load(slot) for slot in slots)
+        x = builder.fadd(builder.fadd(s0, s2), builder.fadd(s1, s3))
+        t = builder.fadd(builder.shuffle_vector(x, x, const_vec(I32, [0, 1, 2, 3])),
+                         builder.shuffle_vector(x, x, const_vec(I32, [4, 5, 6, 7])))
+        el = [builder.extract_element(t, ir.Constant(I32, i)) for i in range(4)]
+        return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
+
+    return codegen
+
+
+@intrinsic
+def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
+    """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), in
+    the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the other operand is a single
+    vector (one token), products and sums in f32: four 8-lane accumulators over steps of 32
+    elements, summed (s0+s2)+(s1+s3), then t_k = s_k + s_k+4, then (t0+t1)+(t2+t3).
+    n must be a multiple of 32 (the caller adds any tail)."""
+    return types.float32(a, a_offset, b, b_offset, n), _ggml_vec_dot(F16)
+
+
+@intrinsic
+def dot_f32_f32_vec(typingctx, a, a_offset, b, b_offset, n):
+    """The same for two float32 vectors, in the order of GGML's ggml_vec_dot_f32 (the same
+    accumulators and reduction). n must be a multiple of 32."""
+    return types.float32(a, a_offset, b, b_offset, n), _ggml_vec_dot(F32)
+
+
+@intrinsic
+def hsum8(typingctx, x, offset):
+    """GGML's 8-lane horizontal sum of x[offset:offset+8] (float32)."""
+    sig = types.float32(x, offset)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.gep(data_ptr(context, builder, signature.args[0], args[0]), [args[1]])
+        return hsum_float_8(builder, load_at(builder, ptr, ir.Constant(I64, 0), F32, LANES))
+
+    return sig, codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a*b + c with one rounding where the CPU has FMA (float32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return fmuladd(builder, *args)
+
+    return sig, codegen
+
+
+def _scalar_op(name: str, source, target, build):
+    """An intrinsic of one scalar: `build(builder, value)` emits the IR (a bit cast, an f16 rounding)."""
+    def typer(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return build(builder, args[0])
+
+        return target(source), codegen
+
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+# bit casts (no conversion), and the bits of the f16 nearest to x (ties to even)
+f32_bits = _scalar_op("f32_bits", types.float32, types.int32, lambda b, x: b.bitcast(x, I32))
+f32_from_bits = _scalar_op("f32_from_bits", types.int32, types.float32, lambda b, x: b.bitcast(x, F32))
+f16_bits = _scalar_op("f16_bits", types.float32, types.uint16, lambda b, x: b.bitcast(b.fptrunc(x, F16), I16))
+
+
+@intrinsic
+def f16_at(typingctx, a, offset):
+    """The f16 value (as float32) at element `offset` from the start of a's data (uint16 array of
+    f16 bits): addressed like dot_f16_f16_vec, so it reaches a strided 2-D array's rows too."""
+    sig = types.float32(a, offset)
+
+    def codegen(context, builder, signature, args):
+        ptr = data_ptr(context, builder, signature.args[0], args[0])
+        byte_offset = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), ir.Constant(I64, 2))
+        return builder.fpext(load_at(builder, ptr, byte_offset, F16), F32)
+
+    return sig, codegen
