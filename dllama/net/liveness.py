@@ -28,9 +28,7 @@ class Liveness:
 
     @timeout.setter
     def timeout(self, value: float | None):
-        if value is not None and value <= 0:
-            raise ValueError("timeout must be positive or None")
-        self._timeout = value
+        self._timeout = _positive_or_none("timeout", value)
 
     @property
     def heartbeat(self) -> float | None:
@@ -38,9 +36,7 @@ class Liveness:
 
     @heartbeat.setter
     def heartbeat(self, value: float | None):
-        if value is not None and value <= 0:
-            raise ValueError("heartbeat must be positive or None")
-        self._heartbeat = value
+        self._heartbeat = _positive_or_none("heartbeat", value)
         if self._running and value is not None and self._beat is None:
             self._beat = self._loop.call_later(value, self._tick)
 
@@ -84,3 +80,9 @@ class Liveness:
         if self._loop.time() - self.last_tx >= self._heartbeat * 0.5 and not self._ping():
             return
         self._beat = self._loop.call_at(self.last_tx + self._heartbeat, self._tick)
+
+
+def _positive_or_none(name: str, value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be positive or None")
+    return value

@@ -166,15 +166,18 @@ class ProcessCluster:
         f.seek(0)
         return f.read().decode(errors="replace")[-4000:]
 
+    def _next_event(self, rank: int, deadline: float, missing: str) -> dict:
+        try:
+            return self.events[rank].get(timeout=max(deadline - time.monotonic(), 0.001))
+        except queue.Empty:
+            raise TimeoutError(f"rank {rank}: {missing}") from None
+
     def wait_event(self, rank: int, name: str, timeout: float) -> dict:
         """The next event `name` from `rank` (earlier other events are skipped). Raises ChildError
         if the rank reports an error or exits first, TimeoutError if nothing comes in time."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                ev = self.events[rank].get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue.Empty:
-                raise TimeoutError(f"rank {rank}: no {name!r} event within {timeout:.3g} s") from None
+            ev = self._next_event(rank, deadline, f"no {name!r} event within {timeout:.3g} s")
             if ev["event"] == name:
                 return ev
             if ev["event"] in ("error", "exit"):
@@ -190,10 +193,7 @@ class ProcessCluster:
             return self._finished[rank]
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                ev = self.events[rank].get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue.Empty:
-                raise TimeoutError(f"rank {rank}: no result within {timeout:.3g} s") from None
+            ev = self._next_event(rank, deadline, f"no result within {timeout:.3g} s")
             if ev["event"] in ("result", "error"):
                 self._finished[rank] = ev
                 return ev
