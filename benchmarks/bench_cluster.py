@@ -4,10 +4,13 @@ algorithm, bytes per token per node next to the formula, and each worker's RSS.
     .venv/bin/python benchmarks/bench_cluster.py                    # default model, 1-4 nodes
     .venv/bin/python benchmarks/bench_cluster.py --modes reduce,gather --dtype q80
     .venv/bin/python benchmarks/bench_cluster.py --model models/synthetic-1b-q4_0.gguf --steps 16
+    .venv/bin/python benchmarks/bench_cluster.py --nodes 1,2 --modes auto,reduce,gather --pin
 
 Every configuration runs the real CLI (`dllama inference --local-workers N --json`), so all nodes
 share this machine's cores: the figures show the overheads of the protocol and the sync layer,
-not the speed-up that separate machines give.
+not the speed-up that separate machines give. With --pin each node is its own process pinned to
+one core (taskset: the root on core 0, worker i on core i), so 2 nodes on 2 cores compute as two
+machines would. Mode `auto` lets the root choose (the row says what it chose).
 """
 
 from __future__ import annotations
@@ -62,13 +65,40 @@ def formula_per_token(mode: str, algo: str, p: int, cfg, dtype: str) -> float:
     return cfg.n_layers * per_layer
 
 
-def run(model: str, workers: int, mode: str, algo: str, dtype: str, steps: int, threads: int) -> dict:
+def pinned(core: int, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", str(core % (os.cpu_count() or 1)), *cmd]
+
+
+def start_workers(n: int, threads: int) -> list[tuple[subprocess.Popen, str]]:
+    """n `dllama worker` processes on loopback, worker i pinned to core i; (process, address)."""
+    started = []
+    for i in range(1, n + 1):
+        proc = subprocess.Popen(pinned(i, DLLAMA + ["worker", "--host", "127.0.0.1", "--port", "0", "--threads",
+                                                    str(threads), "--no-cache"]),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            raise SystemExit(f"a worker did not start: {line!r}")
+        started.append((proc, line.split()[-1]))
+    return started
+
+
+def run(model: str, workers: int, mode: str, algo: str, dtype: str | None, steps: int, threads: int,
+        pin: bool = False) -> dict:
     cmd = DLLAMA + ["inference", "--model", model, "--prompt", "The history of the lighthouse", "--steps",
-                    str(steps), "--temperature", "0", "--sync-mode", mode, "--sync", algo, "--sync-dtype", dtype,
-                    "--threads", str(threads), "--json"]
-    if workers:
-        cmd += ["--local-workers", str(workers)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+                    str(steps), "--temperature", "0", "--sync-mode", mode, "--sync", algo,
+                    "--threads", str(threads), "--json"] + (["--sync-dtype", dtype] if dtype else [])
+    started = start_workers(workers, threads) if pin and workers else []
+    try:
+        if started:
+            cmd = pinned(0, cmd + ["--workers", ",".join(address for _, address in started)])
+        elif workers:
+            cmd += ["--local-workers", str(workers)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        for proc, _ in started:
+            proc.terminate()
+            proc.wait()
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
     return json.loads(result.stdout)
@@ -79,8 +109,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--nodes", default="1,2,3,4", help="node counts (root included)")
     ap.add_argument("--algos", default="star,ring")
-    ap.add_argument("--modes", default="reduce", help="sync modes: reduce, gather")
-    ap.add_argument("--dtype", default="f32")
+    ap.add_argument("--modes", default="reduce", help="sync modes: reduce, gather, auto")
+    ap.add_argument("--dtype", default=None, help="sync dtype (default: the mode's: f32 reduce, q80 gather)")
+    ap.add_argument("--pin", action="store_true", help="one process per node, each pinned to its own core")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="threads per node (all nodes share this machine)")
     ap.add_argument("--json", action="store_true")
@@ -96,11 +127,13 @@ def main() -> None:
     for p in [int(x) for x in args.nodes.split(",")]:
         for mode in args.modes.split(",") if p > 1 else ["-"]:
             for algo in args.algos.split(",") if p > 1 else ["none"]:
-                dtype = args.dtype if mode != "gather" or args.dtype in ("f32", "q80") else "f32"
+                dtype = args.dtype if mode != "gather" or args.dtype in (None, "f32", "q80") else "f32"
                 r = run(model, p - 1, "reduce" if p == 1 else mode, algo if p > 1 else "star", dtype, args.steps,
-                        args.threads)
-                expect = formula_per_token(mode, algo, p, cfg, dtype) if p > 1 else 0.0
-                rows.append({"nodes": p, "mode": mode, "algo": algo, "dtype": dtype, "tok_s": r["tokens_per_s"],
+                        args.threads, args.pin)
+                ran, dtype = r["sync_mode"], r["sync_dtype"]  # auto: what the root chose
+                expect = formula_per_token(ran, algo, p, cfg, dtype) if p > 1 else 0.0
+                label = "-" if p == 1 else f"{ran}*" if mode == "auto" else mode
+                rows.append({"nodes": p, "mode": label, "algo": algo, "dtype": dtype, "tok_s": r["tokens_per_s"],
                              **{f"ms_{k}": v for k, v in
                                 r["ms_per_token"].items()}, "sent_per_token": r["bytes_per_token"]["sent"],
                              "formula_per_token": expect, "root_peak_rss_mb": r["peak_rss_mb"],
@@ -109,12 +142,14 @@ def main() -> None:
         print(json.dumps({"model": os.path.basename(model), "rows": rows}))
         return
     print(f"model {os.path.basename(model)}: dim {cfg.dim}, {cfg.n_layers} layers; "
-          f"{args.threads} thread(s) per node, all nodes on this machine")
-    print(f"{'nodes':>5} {'mode':>6} {'algo':>5} {'dtype':>5} {'tok/s':>7} {'ms/tok':>7} {'compute':>8} {'sync':>7} "
+          f"{args.threads} thread(s) per node, all nodes on this machine"
+          + ("; each node pinned to its own core" if args.pin else "") + "; mode*: chosen by --sync-mode auto")
+    print(f"{'nodes':>5} {'mode':>7} {'algo':>5} {'dtype':>5} {'tok/s':>7} {'ms/tok':>7} {'compute':>8} {'sync':>7} "
           f"{'root sent B/tok':>15} {'formula':>9} {'root RSS':>9}  worker RSS MB")
     for row in rows:
         worker_rss = ", ".join(f"{w['rss_mb']:.0f}" for w in row["workers"] if w.get("rss_mb"))
-        print(f"{row['nodes']:>5} {row['mode']:>6} {row['algo']:>5} {row['dtype']:>5} {row['tok_s']:>7.1f} {row['ms_total']:>7.1f} "
+        print(f"{row['nodes']:>5} {row['mode']:>7} {row['algo']:>5} {row['dtype']:>5} {row['tok_s']:>7.1f} "
+              f"{row['ms_total']:>7.1f} "
               f"{row['ms_compute']:>8.1f} {row['ms_sync']:>7.1f} {row['sent_per_token']:>15.0f} "
               f"{row['formula_per_token']:>9.0f} {row['root_peak_rss_mb']:>9.0f}  {worker_rss}")
 

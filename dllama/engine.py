@@ -94,6 +94,7 @@ class Engine:
     ctx_size: int
     n_nodes: int = 1
     sync: SyncConfig = SyncConfig()
+    sync_choice: dict | None = None  # --sync-mode auto on a cluster: what it settled on, and the figures why
 
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
 
@@ -157,7 +158,7 @@ class LocalEngine(Engine):
     def __init__(self, model: GGUFModel, ctx_size: int, sync: SyncConfig = SyncConfig()):
         super().__init__()
         self.config = model.config
-        self.sync = sync
+        self.sync = sync = sync.alone()
         self.embedding: Matrix = model.matrix("token_embd.weight")
         shard = Plan.single(self.config).shards[0]
         # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results;

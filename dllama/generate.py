@@ -42,6 +42,7 @@ class Generation:
             "sync": engine.sync.algo,
             "sync_dtype": engine.sync.dtype,
             "sync_mode": engine.sync.mode,
+            "sync_choice": engine.sync_choice,
             "tokens_per_s": self.decode_steps / self.decode_s if self.decode_s else 0.0,
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
             "ms_per_token": {

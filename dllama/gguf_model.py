@@ -149,6 +149,11 @@ class GGUFModel:
             self._converted[name] = Matrix(target, rows, cols, np.concatenate(chunks))
         return self._converted[name]
 
+    def qtype_of(self, name: str) -> QType:
+        """The native format the tensor is used in (its own, or the one it is converted to on load)."""
+        ggml_type = self._get(name).ggml_type
+        return QType(ggml_type) if ggml_type in QType._value2member_map_ else self._requant_target(name, ggml_type)
+
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's scale, RoPE frequency factors) as float32."""
         t = self._get(name)

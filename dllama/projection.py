@@ -82,11 +82,17 @@ class Gather:
 
     async def project(self, w: Matrix, a: np.ndarray, cols: str, comm: Collectives) -> np.ndarray:
         counts = self.att_cols if cols == "att" else self.ffn_cols
-        if self.q8 and w.qtype in _Q8_MATMUL and all(c % QK == 0 for c in counts):
+        if self.q8 and travels_as_q8(w.qtype) and all(c % QK == 0 for c in counts):
             whole = Activations.from_q8(await _gather_q8(Q8Activations.quantize(a), counts, comm))
         else:
             whole = await gather_columns(a, counts, comm)
         return await gather_columns(w.matmul(whole), self.out_rows, comm)
+
+
+def travels_as_q8(qtype: QType) -> bool:
+    """Whether gather mode's q80 sends a matmul's input as Q8 blocks: where the matmul reads those
+    (the 32-value block formats; K-quants read Q8_K, F16/F32 the values)."""
+    return qtype in _Q8_MATMUL
 
 
 async def gather_columns(a: np.ndarray, counts, comm: Collectives) -> np.ndarray:

@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_no_browser() is not None
 def server_url(model_path):
     """`dllama serve` with 2 local workers (3 nodes) and an API key."""
     with cli_server("--model", model_path, "--local-workers", "2", "--ctx-size", "1024", "--threads", "1",
-                    "--api-key", KEY) as (_proc, url):
+                    "--sync-mode", "reduce", "--api-key", KEY) as (_proc, url):
         yield url
 
 

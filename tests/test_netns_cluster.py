@@ -1,8 +1,8 @@
 """Multi-host cluster: the root and 3 workers each in their own network namespace (own address
 10.77.0.1-4 on a bridge), started with the real CLI; a chat answer across the 4 hosts, once on
 plain veth links and once with every link shaped to 100 Mbit (tc tbf), in gather mode with Q8
-gathers, which must give exactly the 1-node answer. Skips cleanly where
-namespaces cannot be made."""
+gathers, which must give exactly the 1-node answer; and --sync-mode auto choosing by the link.
+Skips cleanly where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_chat_across_four_hosts(hosts, one_node_chat):
 def test_inference_report_across_four_hosts(hosts):
     bed, rate = hosts
     r = _root(bed, "inference", "-p", "The capital of France is", "-n", "16", "--temperature", "0",
-              "--sync", "star", "--json")
+              "--sync", "star", "--sync-mode", "reduce", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["nodes"] == 4 and report["sync"] == "star"
@@ -87,3 +87,17 @@ def test_inference_report_across_four_hosts(hosts):
     assert report["bytes_per_token"]["sent"] >= 60 * 3 * 576 * 4
     assert [w["up"] for w in report["workers"]] == [True, True, True]
     print(f"\n4 hosts ({rate or 'veth'}): {report['tokens_per_s']:.1f} tok/s, ms/token {report['ms_per_token']}")
+
+
+def test_sync_mode_auto_follows_the_link(hosts):
+    """--sync-mode auto (the default) times the links: veth, where a message costs more than its
+    bytes, gets reduce (fewer collectives); 100 Mbit, where the bytes dominate, gets gather with
+    Q8 blocks (fewer bytes)."""
+    bed, rate = hosts
+    r = _root(bed, "inference", "-p", "The capital of France is", "-n", "4", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    expected = ("gather", "q80") if rate else ("reduce", "f32")
+    assert (report["sync_mode"], report["sync_dtype"]) == expected, report["sync_choice"]
+    assert report["sync_choice"]["chosen"] == f"{expected[0]} ({expected[1]})"
+    print(f"\n4 hosts ({rate or 'veth'}): auto chose {report['sync_choice']}")

@@ -153,6 +153,56 @@ def test_invalid_setups_are_refused_by_name_and_the_worker_lives_on(worker, mode
     assert "Traceback" not in log
 
 
+def test_echoes_are_answered_bounded_in_size_and_number(worker, model, answer):
+    """ECHO (the root timing its link for --sync-mode auto) comes back byte for byte after PROBE;
+    a larger one than the protocol allows, or more of them than it allows, ends the session with
+    a named error; the worker then serves a real root the 1-node answer."""
+    payload = bytes(range(256)) * (P.ECHO_BYTES // 256)
+
+    async def session(echoes: int, size: int = 8):
+        conn = await connect("127.0.0.1", worker.port, role="control", timeout=10, max_frame=P.MAX_SETUP)
+        try:
+            await conn.send_msg(P.PROBE, M.Probe().to_wire())
+            await conn.recv_msg(P.PROBED, timeout=10)
+            back = []
+            for _ in range(echoes):
+                await conn.send_msg(P.ECHO, {"payload": payload[:size] if size <= len(payload) else bytes(size)})
+                kind, body = await conn.recv_msg((P.ECHO, P.FAILED), timeout=10)
+                if kind == P.FAILED.name:
+                    return back, body["error"]
+                back.append(body["payload"])
+            return back, None
+        finally:
+            await conn.close()
+
+    async def probe():
+        return (await session(2, P.ECHO_BYTES), await session(P.MAX_ECHOES + 1),
+                await root_answer(model, _address(worker), PROMPT, N_TOKENS))
+
+    whole, too_many, tokens = asyncio.run(probe())
+    assert whole == ([payload, payload], None)
+    assert len(too_many[0]) == P.MAX_ECHOES and f"more than {P.MAX_ECHOES} cluster.echo" in too_many[1]
+    assert tokens == answer and worker.proc.poll() is None
+
+
+async def _oversized_echo(port: int) -> str:
+    conn = await connect("127.0.0.1", port, role="control", timeout=10, max_frame=P.MAX_SETUP)
+    try:
+        await conn.send_msg(P.PROBE, M.Probe().to_wire())
+        await conn.recv_msg(P.PROBED, timeout=10)
+        await conn.send_msg(P.ECHO, {"payload": bytes(P.ECHO_BYTES + 1)})
+        kind, body = await conn.recv_msg((P.ECHO, P.FAILED), timeout=10)
+        return body.get("error", kind)
+    finally:
+        await conn.close()
+
+
+def test_an_echo_over_its_bound_is_refused(worker, model, answer):
+    error = asyncio.run(_oversized_echo(worker.port))
+    assert "cluster.echo" in error and str(P.ECHO_BYTES) in error, error
+    assert asyncio.run(root_answer(model, _address(worker), PROMPT, N_TOKENS)) == answer
+
+
 def test_schema_knows_every_config_field_and_every_tensor_of_a_plan(synthetic_model):
     """The wire schema and the shapes it expects follow the code that makes them: every
     ModelConfig field travels, and shard_tensor_shapes is what shard_tensors cuts, for every

@@ -16,7 +16,7 @@ import click
 from ..errors import DllamaError
 from ..sampling import SamplingParams
 from ..sync import ALGO_NAMES
-from ..sync_config import SYNC_DTYPES, SYNC_MODES, SyncConfig
+from ..sync_config import MODE_CHOICES, SYNC_DTYPES, SyncConfig
 
 if TYPE_CHECKING:  # imported by the commands that run a model, when they run it
     from ..engine import Engine
@@ -62,13 +62,14 @@ def cluster_options(f):
                   help="Start N worker processes on this machine for this run (N workers + the root).")
     @click.option("--sync", "sync_algo", default="auto", show_default=True, type=click.Choice(ALGO_NAMES),
                   help="All-reduce algorithm between nodes.")
-    @click.option("--sync-dtype", "--buffer-float-type", default="f32", show_default=True,
-                  type=click.Choice(SYNC_DTYPES),
-                  help="Payload of the sync points; f64 makes results independent of the node count.")
-    @click.option("--sync-mode", default="reduce", show_default=True, type=click.Choice(SYNC_MODES),
-                  help="reduce: one all-reduce of partial sums per sync point (fewest bytes); gather: "
+    @click.option("--sync-dtype", "--buffer-float-type", default=None, type=click.Choice(SYNC_DTYPES),
+                  help="Payload of the sync points (default: f32 in reduce mode, q80 in gather mode); f64 "
+                       "makes results independent of the node count.")
+    @click.option("--sync-mode", default="auto", show_default=True, type=click.Choice(MODE_CHOICES),
+                  help="reduce: one all-reduce of partial sums per sync point (fewest messages); gather: "
                        "all-gathers, every value computed whole on one node, so any node count gives "
-                       "exactly the 1-node result (with --sync-dtype f32 or q80).")
+                       "exactly the 1-node result (Q8 blocks where the next matmul reads them: fewest "
+                       "bytes); auto: the one the measured link to the workers makes faster.")
     @click.option("--weights", "node_weights", default=None, metavar="W0,W1,..|auto",
                   help="Relative share of each node (root first), or 'auto' to measure their speed.")
     @click.option("--secret", envvar="DLLAMA_SECRET", default=None,
@@ -146,7 +147,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
         fail("--discover-timeout applies to --workers auto")
     if auto and isinstance(_parse_weights(opts.get("node_weights")), list):
         fail("--weights with numbers needs a fixed --workers list; with --workers auto use --weights auto or none")
-    sync = SyncConfig(opts.get("sync_algo", "auto"), opts.get("sync_mode", "reduce"), opts.get("sync_dtype", "f32"))
+    sync = SyncConfig(opts.get("sync_algo", "auto"), opts.get("sync_mode", "auto"), opts.get("sync_dtype"))
     path = resolve_model(opts.get("model"))
     model = GGUFModel(path)
     cfg = model.config
@@ -187,6 +188,11 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "
              f"{engine.n_nodes} node(s) ({engine.sync.algo} sync, {engine.sync.mode}, {engine.sync.dtype}), "
              f"{threads} thread(s) each")
+        choice = engine.sync_choice
+        if choice is not None:
+            predicted = ", ".join(f"{label} {ms:.2f}" for label, ms in choice["predicted_sync_ms_per_token"].items())
+            info(f"--sync-mode auto: {choice['chosen']} on the measured link ({choice['link']}); "
+                 f"predicted sync ms/token: {predicted}")
     return Runtime(engine, tokenizer, path, local)
 
 

@@ -1,6 +1,6 @@
 """The root's link to one worker: its address, the control connection, and the root's side of
-the control protocol spoken over it (probe, set-up with the slices, replies checked against
-their schemas, the end of a session)."""
+the control protocol spoken over it (probe, the link's timing, set-up with the slices, replies
+checked against their schemas, the end of a session)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,23 @@ class WorkerLink:
                 raise
             self.gmacs, self.mem_available = probed.gmacs, probed.mem_available
             return
+
+    async def time_link(self, small_iters: int = 8, large_iters: int = 3) -> tuple[float, float]:
+        """(alpha, beta) of the link to this worker: half the best round trip of a small ECHO (s per
+        message), and the seconds per byte a large one adds (as the sync group calibrates its ring)."""
+        async def best_round_trip(nbytes: int, iters: int) -> float:
+            echo = M.Echo(bytes(nbytes)).to_wire()
+            best = float("inf")
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                await self.conn.send_msg(P.ECHO, echo)
+                await self.expect(P.ECHO, M.Echo)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        alpha = await best_round_trip(8, small_iters) / 2
+        large = await best_round_trip(P.ECHO_BYTES, large_iters) / 2
+        return alpha, max((large - alpha) / P.ECHO_BYTES, 1e-12)
 
     def renumber(self, rank: int) -> None:
         self.rank = rank

@@ -49,6 +49,10 @@ class Probe(_Message):
     measure: bool = False  # time a matmul and report GMAC/s (for --weights auto)
 
 
+class Echo(_Message):
+    payload: Annotated[bytes, Meta(max_length=P.ECHO_BYTES)]  # any bytes: the root times their round trip
+
+
 class WireConfig(_Message):
     """ModelConfig as it travels: every field of it, checked."""
 

@@ -3,6 +3,8 @@
     root                                   worker
     PROBE {measure}                  ->
                                      <-    PROBED {gmacs, mem_available, threads, version}
+    ECHO {payload}                   ->    (--sync-mode auto: the root times the link, a few times)
+                                     <-    ECHO {payload}          (the same bytes back)
     SETUP {session, rank, world, addrs, algo, sync_dtype, sync_mode, config, shards, ctx_size, manifest}  ->
                                      <-    NEED {names}            (what its slice cache lacks)
     TENSOR (raw, chunked) per needed tensor, in manifest order  ->
@@ -37,6 +39,9 @@ ACTIVATIONS = register_kind("cluster.activations", 73, RAW, 256 << 20)
 RESULT = register_kind("cluster.result", 74, MSG, 64 << 20)
 FAILED = register_kind("cluster.failed", 75, MSG)
 END = register_kind("cluster.end", 76, MSG)
+ECHO_BYTES = 256 << 10  # the largest ECHO payload: enough to time the bytes past the latency
+MAX_ECHOES = 64  # ECHOs a worker answers before SETUP
+ECHO = register_kind("cluster.echo", 77, MSG, ECHO_BYTES + 256)
 
 
 def chunks(nbytes: int):

@@ -32,6 +32,7 @@ from . import protocol as P
 from .node import measure_speed, mem_available
 from .link import WorkerLink, answers
 from .slices import make_entry
+from .sync_mode import settle_sync
 
 log = logging.getLogger("dllama.root")
 
@@ -47,7 +48,9 @@ class ClusterEngine(Engine):
                  secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
                  recover: bool = True, browser=None):
         super().__init__()
-        self.sync = sync
+        self.requested_sync = sync
+        self.sync = sync  # settled per session (--sync-mode auto: from the measured links)
+        self.sync_choice: dict | None = None  # what auto settled on, and why
         self.model_file = model
         self.config = model.config
         self.ctx_size = ctx_size
@@ -154,6 +157,7 @@ class ClusterEngine(Engine):
                 self.workers.append(w)
         for rank, w in enumerate(self.workers, start=1):  # ranks are contiguous among the present
             w.renumber(rank)
+        self.sync, self.sync_choice = await settle_sync(self.requested_sync, self.model_file, self.workers)
         self.plan = Plan.split(self.config, self._node_weights(measure))
         self._check_memory()
         own = self.plan.shards[0]

@@ -177,7 +177,14 @@ class _Session:
             await conn.send_msg(P.PROBED, M.to_wire(M.Probed(
                 gmacs=measure_speed() if probe.measure else None, mem_available=self.worker.memory_budget(),
                 threads=self.worker.threads, version=__version__)))
-            kind, body = await self._recv((P.SETUP,), PLAN_TIMEOUT, "SETUP")
+            kind, body = await self._recv((P.SETUP, P.ECHO), PLAN_TIMEOUT, "SETUP")
+            echoes = 0
+            while kind == P.ECHO.name:  # the root times the link (--sync-mode auto)
+                echoes += 1
+                if echoes > P.MAX_ECHOES:
+                    raise InvalidMessage(f"more than {P.MAX_ECHOES} {P.ECHO.name} messages before {P.SETUP.name}")
+                await conn.send_msg(P.ECHO, M.to_wire(M.decode(P.ECHO, M.Echo, body)))
+                kind, body = await self._recv((P.SETUP, P.ECHO), PLAN_TIMEOUT, "SETUP")
         setup = M.decode(P.SETUP, M.Setup, body)
         t0 = time.perf_counter()
         model, cached = await self._load(setup)

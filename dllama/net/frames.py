@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 3: every step summed in the one-token order (batch-invariant kernels)
+PROTOCOL_VERSION = 4  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16

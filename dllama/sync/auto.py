@@ -95,6 +95,18 @@ _COST = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gath
          "broadcast": _broadcast, "reduce": _reduce}
 
 
+def predicted_seconds(collective: str, algo: str, nbytes: float, p: int, alpha: float, beta: float,
+                      gamma: float) -> float:
+    """The model's time for one collective of nbytes on p ranks with `algo`; "auto" (or an algorithm
+    that runs this collective as another does: Rabenseifner's all-gather is recursive doubling's)
+    takes the cheapest candidate, as Auto would."""
+    if p == 1:
+        return 0.0
+    if algo in CANDIDATES[collective]:
+        return _COST[collective](algo, nbytes, p, alpha, beta, gamma)
+    return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective])
+
+
 class Auto(Algorithm):
     """Delegates each collective to the algorithm the cost model picks for it."""
 
@@ -114,14 +126,14 @@ class Auto(Algorithm):
         c = self.comm
         p, r = c.size, c.rank
         if p == 1:
-            self.alpha, self.beta, self.gamma = 0.0, 0.0, self._time_reduce()
+            self.alpha, self.beta, self.gamma = 0.0, 0.0, self.time_reduce()
             return
         left, right = (r - 1) % p, (r + 1) % p
         small_rtt = min(await self._pingpong(left, right, 8, small_iters))
         large_rtt = min(await self._pingpong(left, right, large_bytes, large_iters))
         alpha = small_rtt / 2
         beta = max((large_rtt / 2 - alpha) / large_bytes, 1e-12)
-        agreed = np.array([alpha, beta, self._time_reduce()], dtype=np.float64)
+        agreed = np.array([alpha, beta, self.time_reduce()], dtype=np.float64)
         await self.algorithms["mesh"].all_reduce(Reducer(agreed, OPS["max"], CODECS["exact"], c.scratch))
         self.alpha, self.beta, self.gamma = (float(x) for x in agreed)
         self.decisions.clear()
@@ -146,7 +158,8 @@ class Auto(Algorithm):
         return rtts
 
     @staticmethod
-    def _time_reduce(n: int = 1 << 16) -> float:
+    def time_reduce(n: int = 1 << 16) -> float:
+        """Seconds per byte of a local float32 add (gamma)."""
         x = np.ones(n, dtype=np.float32)
         y = np.ones(n, dtype=np.float32)
         best = math.inf
