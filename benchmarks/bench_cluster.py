@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def main() -> None:
                         args.threads, args.pin)
                 ran, dtype = r["sync_mode"], r["sync_dtype"]  # auto: what the root chose
                 expect = formula_per_token(ran, algo, p, cfg, dtype) if p > 1 else 0.0
+                expect = None if math.isnan(expect) else expect
                 label = "-" if p == 1 else f"{ran}*" if mode == "auto" else mode
                 rows.append({"nodes": p, "mode": label, "algo": algo, "dtype": dtype, "tok_s": r["tokens_per_s"],
                              **{f"ms_{k}": v for k, v in
@@ -148,10 +150,12 @@ def main() -> None:
           f"{'root sent B/tok':>15} {'formula':>9} {'root RSS':>9}  worker RSS MB")
     for row in rows:
         worker_rss = ", ".join(f"{w['rss_mb']:.0f}" for w in row["workers"] if w.get("rss_mb"))
+        # auto and rd: no one formula
+        formula = "-" if row["formula_per_token"] is None else f"{row['formula_per_token']:.0f}"
         print(f"{row['nodes']:>5} {row['mode']:>7} {row['algo']:>5} {row['dtype']:>5} {row['tok_s']:>7.1f} "
               f"{row['ms_total']:>7.1f} "
               f"{row['ms_compute']:>8.1f} {row['ms_sync']:>7.1f} {row['sent_per_token']:>15.0f} "
-              f"{row['formula_per_token']:>9.0f} {row['root_peak_rss_mb']:>9.0f}  {worker_rss}")
+              f"{formula:>9} {row['root_peak_rss_mb']:>9.0f}  {worker_rss}")
 
 
 if __name__ == "__main__":
