@@ -4,6 +4,11 @@ formulas so that a reference cannot drift along with its kernel."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import njit
@@ -17,6 +22,7 @@ from dllama.kernels.ops import (expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnor
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
+ROOT = Path(__file__).resolve().parent.parent
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q4_K, QType.Q5_K,
           QType.Q6_K, QType.F16, QType.F32]
 
@@ -487,3 +493,37 @@ def test_q8_activations_assembled_column_major_give_the_same_product():
     fortran = Q8Activations(a.q, np.asfortranarray(a.d), np.asfortranarray(a.ds))
     np.testing.assert_array_equal(matmul(w.data, QType.Q8_0, Activations.from_q8(fortran)),
                                   matmul(w.data, QType.Q8_0, Activations.from_q8(a)))
+
+
+# ------------------------------------------------------------------ the two x86 instruction paths
+
+_PRODUCTS_SCRIPT = """
+import sys, numpy as np
+from tests.test_kernels import QTYPES, activations, weight_matrix
+from dllama.kernels.matmul import matmul
+from dllama.kernels.simd import X86_VNNI
+assert not X86_VNNI
+np.savez(sys.argv[1], **{f"{q.name}-{wide}": matmul(weight_matrix(q, 11, 512, seed=9).data, q,
+                                                    activations(9, 512, seed=10), wide=wide)
+                         for q in QTYPES[:-2] for wide in (False, True)})
+"""
+
+
+def test_avx2_path_gives_the_vnni_path_s_bits(tmp_path):
+    """On a CPU with AVX512-VNNI the quantized dots take vpdpbusd; an AVX2-only CPU runs maddubs +
+    madd (and, for the signed formats, no bias). The integer sums, hence every output bit, must be
+    the same: the AVX2 path, forced here with DLLAMA_NO_VNNI, in a subprocess (its own kernels)."""
+    from dllama.kernels.simd import X86_VNNI
+
+    if not X86_VNNI:
+        pytest.skip("no AVX512-VNNI here: the whole suite runs the AVX2 path already")
+    out = tmp_path / "products.npz"
+    env = {**os.environ, "DLLAMA_NO_VNNI": "1"}
+    result = subprocess.run([sys.executable, "-c", _PRODUCTS_SCRIPT, str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    avx2 = np.load(out)
+    for q in QTYPES[:-2]:  # the quantized formats (F16/F32 have no integer dots); 2-row tiles and a row alone
+        for wide in (False, True):
+            ours = matmul(weight_matrix(q, 11, 512, seed=9).data, q, activations(9, 512, seed=10), wide=wide)
+            np.testing.assert_array_equal(ours, avx2[f"{q.name}-{wide}"], err_msg=f"{q.name} wide={wide}")

@@ -1,11 +1,36 @@
 """Compute kernels: numba (prange, nogil, cache) beside a plain numpy reference of each."""
 
+import hashlib
 import os
+from pathlib import Path
 
 import numba
 
 # numba's on-disk cache of every kernel (cache=CACHE); set DLLAMA_NO_JIT_CACHE to inspect the generated assembly
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ
+
+
+def _jit_cache_dir() -> Path:
+    """numba revalidates a cached kernel against its own source file only, not against the modules
+    that generate its IR (simd*.py) or the tables it reads (quant.py): a change there would run the
+    old machine code. So the cache lives in a directory named by a hash of all of them."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for source in sorted(here.glob("*.py")) + [here.parent / "quant.py"]:
+        digest.update(source.read_bytes())
+    digest.update(b"no-vnni" if "DLLAMA_NO_VNNI" in os.environ else b"")  # it changes the IR simd.py writes
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "dllama" / f"jit-{digest.hexdigest()[:16]}"
+
+
+if CACHE and not os.environ.get("NUMBA_CACHE_DIR"):
+    try:
+        _dir = _jit_cache_dir()
+        _dir.mkdir(parents=True, exist_ok=True)
+        if os.access(_dir, os.W_OK):  # else numba's own choice (next to the sources, or none)
+            numba.config.CACHE_DIR = str(_dir)
+    except OSError:
+        pass
 
 # OpenMP launches a parallel region in a few microseconds; numba's fallback 'workqueue' layer
 # takes ~100 us, which is more than a small layer's whole matvec.

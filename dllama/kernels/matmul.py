@@ -19,10 +19,12 @@ from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import dot_f16_f16_vec, dot_f32_f32_vec, f16_at
-from .simd_q8 import (dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide,
-                      dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide)
+from .simd_q8 import (TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
+                      dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
+                      dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
+                      tile_q5_1_q8, tile_q8_0_q8)
 from .simd_q8k import (dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
-                       dot_q6_k_q8k_wide)
+                       dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k, tile_q6_k_q8k)
 
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
 # and flags it ("invalid value encountered in cast"); they stay NaNs, so the flag is noise.
@@ -38,38 +40,92 @@ _Q4_0, _Q4_1, _Q8_0, _Q5_0, _Q5_1, _IQ4_NL = 0, 1, 2, 3, 4, 5
 _Q4_K, _Q6_K, _Q5_K = 0, 1, 2
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _dot_quant(w, fmt, wide, xq, xd, xds, r, t):
+    """One (row, token) dot; wide: the float64-accumulating dot products."""
+    if fmt == _Q4_1:
+        return dot_q4_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_1_q8(w, r, xq, xd, xds, t)
+    if fmt == _Q4_0:
+        return dot_q4_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_0_q8(w, r, xq, xd, xds, t)
+    if fmt == _Q5_0:
+        return dot_q5_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_0_q8(w, r, xq, xd, xds, t)
+    if fmt == _Q5_1:
+        return dot_q5_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_1_q8(w, r, xq, xd, xds, t)
+    if fmt == _IQ4_NL:
+        return dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t) if wide else dot_iq4_nl_q8(w, r, xq, xd, xds, t)
+    return dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tile_quant(w, fmt, xq, xd, xds, r, t, out):
+    if fmt == _Q4_1:
+        tile_q4_1_q8(w, r, xq, xd, xds, t, out)
+    elif fmt == _Q4_0:
+        tile_q4_0_q8(w, r, xq, xd, xds, t, out)
+    elif fmt == _Q5_0:
+        tile_q5_0_q8(w, r, xq, xd, xds, t, out)
+    elif fmt == _Q5_1:
+        tile_q5_1_q8(w, r, xq, xd, xds, t, out)
+    elif fmt == _IQ4_NL:
+        tile_iq4_nl_q8(w, r, xq, xd, xds, t, out)
+    else:
+        tile_q8_0_q8(w, r, xq, xd, xds, t, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tiled_products(dot, tile, w, fmt, wide, xq, xd, xs, out):
+    """out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t) for every row r and token t. Several tokens:
+    tiles of TILE_ROWS x TILE_TOKENS (each pair summed as alone: the bits do not depend on the
+    batch), the edges one pair at a time; wide (float64) one pair at a time."""
+    T = xq.shape[0]
+    rows = w.shape[0]
+    if wide or T < TILE_TOKENS:
+        for r in prange(rows):
+            for t in range(T):
+                out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t)
+        return
+    tiled_tokens = T - T % TILE_TOKENS
+    for g in prange((rows + TILE_ROWS - 1) // TILE_ROWS):
+        r0 = g * TILE_ROWS
+        first_single = 0
+        if r0 + TILE_ROWS <= rows:
+            for t in range(0, tiled_tokens, TILE_TOKENS):
+                tile(w, fmt, xq, xd, xs, r0, t, out)
+            first_single = tiled_tokens
+        for r in range(r0, min(r0 + TILE_ROWS, rows)):
+            for t in range(first_single, T):
+                out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_quant(w, fmt, wide, xq, xd, xds, out):
-    """Quantized weights; wide: the float64-accumulating dot products (out is float64)."""
-    T = xq.shape[0]
-    for r in prange(w.shape[0]):
-        for t in range(T):
-            if fmt == _Q4_1:
-                out[t, r] = dot_q4_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_1_q8(w, r, xq, xd, xds, t)
-            elif fmt == _Q4_0:
-                out[t, r] = dot_q4_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_0_q8(w, r, xq, xd, xds, t)
-            elif fmt == _Q5_0:
-                out[t, r] = dot_q5_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_0_q8(w, r, xq, xd, xds, t)
-            elif fmt == _Q5_1:
-                out[t, r] = dot_q5_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_1_q8(w, r, xq, xd, xds, t)
-            elif fmt == _IQ4_NL:
-                out[t, r] = dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t) if wide else dot_iq4_nl_q8(w, r, xq, xd, xds, t)
-            else:
-                out[t, r] = dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
+    """Quantized weights against Q8 activations; wide: float64 accumulation (out is float64)."""
+    _tiled_products(_dot_quant, _tile_quant, w, fmt, wide, xq, xd, xds, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _dot_k_quant(w, fmt, wide, xq, xd, xs, r, t):
+    if fmt == _Q4_K:
+        return dot_q4_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q4_k_q8k(w, r, xq, xd, xs, t)
+    if fmt == _Q5_K:
+        return dot_q5_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q5_k_q8k(w, r, xq, xd, xs, t)
+    return dot_q6_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q6_k_q8k(w, r, xq, xd, xs, t)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tile_k_quant(w, fmt, xq, xd, xs, r, t, out):
+    if fmt == _Q4_K:
+        tile_q4_k_q8k(w, r, xq, xd, xs, t, out)
+    elif fmt == _Q5_K:
+        tile_q5_k_q8k(w, r, xq, xd, xs, t, out)
+    else:
+        tile_q6_k_q8k(w, r, xq, xd, xs, t, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
     """K-quant weights against Q8_K activations; wide: float64 (out is float64)."""
-    T = xq.shape[0]
-    for r in prange(w.shape[0]):
-        for t in range(T):
-            if fmt == _Q4_K:
-                out[t, r] = dot_q4_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q4_k_q8k(w, r, xq, xd, xs, t)
-            elif fmt == _Q5_K:
-                out[t, r] = dot_q5_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q5_k_q8k(w, r, xq, xd, xs, t)
-            else:
-                out[t, r] = dot_q6_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q6_k_q8k(w, r, xq, xd, xs, t)
+    _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, wide, xq, xd, xs, out)
 
 
 @njit(nogil=True, cache=CACHE)

@@ -17,10 +17,13 @@ reference in `matmul.py` / `ops.py` / `attention.py`, and tests check them.
 
 from __future__ import annotations
 
+import os
+
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..quant import IQ4_NL_VALUES
 
@@ -75,43 +78,91 @@ def hsum_float_8(builder, acc):
                         builder.extract_element(quarter, ir.Constant(I32, 1)))
 
 
-_X86_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+_HOST_FEATURES = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+_X86_AVX2 = "+avx2" in _HOST_FEATURES
+# AVX512-VNNI's vpdpbusd (on 256-bit registers with AVX512-VL) is maddubs + madd in one instruction,
+# without maddubs' 16-bit saturation, and adds into an accumulator: llama.cpp uses it where present.
+# The integer sums are the same either way; DLLAMA_NO_VNNI takes the AVX2 path on such a CPU, so
+# that a test here runs the instructions an AVX2-only CPU runs.
+X86_VNNI = _X86_AVX2 and {"+avx512vnni", "+avx512vl"} <= _HOST_FEATURES and "DLLAMA_NO_VNNI" not in os.environ
 _AARCH64 = llvm_binding.get_process_triple().startswith(("aarch64", "arm64"))
-IQ4_NL_LEVELS = tuple(int(v) for v in IQ4_NL_VALUES)  # as i8 constants
+IQ4_NL_LEVELS = tuple(int(v) for v in IQ4_NL_VALUES)
 
 
-def iq4_nl_values(builder, nibbles):
-    """<16 x i8> indices 0..15 -> IQ4_NL's non-linear values: one table lookup instruction
-    (x86 pshufb, AArch64 tbl), or a select per entry elsewhere."""
-    table = const_vec(I8, IQ4_NL_LEVELS)
+def iq4_nl_values(builder, nibbles, biased: bool = False):
+    """<16 x i8> indices 0..15 -> IQ4_NL's non-linear values (biased: plus 128, as unsigned bytes):
+    one table lookup instruction (x86 pshufb, AArch64 tbl), or a select per entry elsewhere."""
+    levels = [(v + 128) & 255 if biased else v for v in IQ4_NL_LEVELS]
+    levels = [v - 256 if v > 127 else v for v in levels]  # as i8 constants
+    table = const_vec(I8, levels)
     if _X86_AVX2:
         pshufb = _intrinsic_fn(builder, "llvm.x86.ssse3.pshuf.b.128", vec(I8, 16), [vec(I8, 16)] * 2)
         return builder.call(pshufb, [table, nibbles])
     if _AARCH64:
         tbl = _intrinsic_fn(builder, "llvm.aarch64.neon.tbl1.v16i8", vec(I8, 16), [vec(I8, 16)] * 2)
         return builder.call(tbl, [table, nibbles])
-    out = const_vec(I8, [IQ4_NL_LEVELS[0]] * 16)
-    for k, value in enumerate(IQ4_NL_LEVELS[1:], start=1):
+    out = const_vec(I8, [levels[0]] * 16)
+    for k, value in enumerate(levels[1:], start=1):
         out = builder.select(builder.icmp_unsigned("==", nibbles, const_vec(I8, [k] * 16)),
                              const_vec(I8, [value] * 16), out)
     return out
 
 
-def quad_dot(builder, w_i8, x_i8, w_unsigned: bool):
-    """<32 x i8> weights . <32 x i8> activations -> <8 x i32>, lane k = sum of products 4k..4k+3.
-    Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd pair."""
+def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
+    """<32 x i8> weights . <32 x i8> activations (+ <8 x i32> acc) -> <8 x i32>, lane k = sum of
+    products 4k..4k+3. Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd
+    pair, with AVX512-VNNI one vpdpbusd."""
     if _X86_AVX2:
-        if not w_unsigned:  # maddubs wants unsigned x signed: move the sign onto the activations
+        if not w_unsigned:  # maddubs and vpdpbusd want unsigned x signed: move the sign onto the activations
             psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), [vec(I8, 32)] * 2)
             w_i8, x_i8 = builder.call(psign, [w_i8, w_i8]), builder.call(psign, [x_i8, w_i8])
+        if X86_VNNI:
+            dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3)
+            start = acc if acc is not None else ir.Constant(vec(I32, 8), [0] * 8)
+            return builder.call(dpbusd, [start, builder.bitcast(w_i8, vec(I32, 8)), builder.bitcast(x_i8, vec(I32, 8))])
         maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2)
         madd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
         pairs = builder.call(maddubs, [w_i8, x_i8])
-        return builder.call(madd, [pairs, const_vec(I16, [1] * 16)])
-    extend = builder.zext if w_unsigned else builder.sext
-    p = builder.sext(builder.mul(extend(w_i8, vec(I16, 32)), builder.sext(x_i8, vec(I16, 32))), vec(I32, 32))
-    parts = [builder.shuffle_vector(p, p, const_vec(I32, range(j, 32, 4))) for j in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+        quads = builder.call(madd, [pairs, const_vec(I16, [1] * 16)])
+    else:
+        extend = builder.zext if w_unsigned else builder.sext
+        p = builder.sext(builder.mul(extend(w_i8, vec(I16, 32)), builder.sext(x_i8, vec(I16, 32))), vec(I32, 32))
+        parts = [builder.shuffle_vector(p, p, const_vec(I32, range(j, 32, 4))) for j in range(4)]
+        quads = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    return quads if acc is None else builder.add(acc, quads)
+
+
+def lane_scales(builder, low, high=None):
+    """The i32 scales of a scaled quad dot's 8 lanes (lanes 0-3 `low`, 4-7 `high`, default `low`) in
+    the form scaled_quad_dot takes here: on x86 16 i16 (madd's i16 lanes 2k, 2k+1 feed i32 lane k)."""
+    elem, n = (I16, 16) if _X86_AVX2 else (I32, LANES)
+    low_v = splat(builder, builder.trunc(low, elem) if elem is I16 else low, n)
+    if high is None:
+        return low_v
+    high_v = splat(builder, builder.trunc(high, elem) if elem is I16 else high, n)
+    return builder.shuffle_vector(low_v, high_v, const_vec(I32, list(range(n // 2)) + list(range(n, n + n // 2))))
+
+
+def scaled_quad_dot(builder, w_u8, x_i8, scales, acc):
+    """acc + <8 x i32> whose lane k is scale_k * (sum of products 4k..4k+3) of unsigned weights and
+    signed activations (`scales` from lane_scales): GGML's maddubs + madd by the scales on AVX2, the
+    madd fused into the accumulation (vpdpwssd) with VNNI. Exact integers in any case."""
+    if _X86_AVX2:
+        maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2)
+        pairs = builder.bitcast(builder.call(maddubs, [w_u8, x_i8]), vec(I32, 8))
+        if X86_VNNI:
+            dpwssd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpwssd.256", vec(I32, 8), [vec(I32, 8)] * 3)
+            return builder.call(dpwssd, [acc, pairs, builder.bitcast(scales, vec(I32, 8))])
+        madd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
+        return builder.add(acc, builder.call(madd, [builder.bitcast(pairs, vec(I16, 16)), scales]))
+    return builder.add(acc, builder.mul(quad_dot(builder, w_u8, x_i8, w_unsigned=True), scales))
+
+
+def pair_sums(builder, v):
+    """<2n x i32> -> <n x i32>: lane k = v[2k] + v[2k+1]."""
+    n = v.type.count // 2
+    return builder.add(builder.shuffle_vector(v, v, const_vec(I32, range(0, 2 * n, 2))),
+                       builder.shuffle_vector(v, v, const_vec(I32, range(1, 2 * n, 2))))
 
 
 def _row_ptr(context, builder, array_type, array, row):
@@ -124,16 +175,65 @@ def _row_ptr(context, builder, array_type, array, row):
     return builder.gep(base, [builder.mul(row, stride)])
 
 
-def row_dot_operands(context, builder, signature, args, sums_type: ir.Type):
-    """The operands of dot(w, r, xq, xd, xs, t): pointers to row r of w, to row t of the
-    activations' values, scales and per-block sums (of sums_type), and the number of blocks."""
-    w_arr, row, xq_arr, xd_arr, xs_arr, tok = args
+def tile_operands(context, builder, signature, args, sums_type: ir.Type, n_rows: int, n_tokens: int):
+    """The operands of tile(w, r, xq, xd, xs, t, ...): pointers to rows r .. r+n_rows-1 of w; for
+    each of tokens t .. t+n_tokens-1 its (values, scales, sums) row pointers; the number of blocks."""
+    w_arr, row, xq_arr, xd_arr, xs_arr, tok = args[:6]
     ty = signature.args
     row = context.cast(builder, row, ty[1], types.intp)
     tok = context.cast(builder, tok, ty[5], types.intp)
-    w_ptr = _row_ptr(context, builder, ty[0], w_arr, row)
-    xq_ptr = _row_ptr(context, builder, ty[2], xq_arr, tok)
-    xd_ptr = builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, tok), F32.as_pointer())
-    xs_ptr = builder.bitcast(_row_ptr(context, builder, ty[4], xs_arr, tok), sums_type.as_pointer())
+    w_ptrs = [_row_ptr(context, builder, ty[0], w_arr, builder.add(row, ir.Constant(I64, i))) for i in range(n_rows)]
+    x_rows = []
+    for j in range(n_tokens):
+        t = builder.add(tok, ir.Constant(I64, j))
+        x_rows.append((_row_ptr(context, builder, ty[2], xq_arr, t),
+                       builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, t), F32.as_pointer()),
+                       builder.bitcast(_row_ptr(context, builder, ty[4], xs_arr, t), sums_type.as_pointer())))
     n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
-    return w_ptr, xq_ptr, xd_ptr, xs_ptr, n_blocks
+    return w_ptrs, x_rows, n_blocks
+
+
+def store_tile(context, builder, signature, args, totals):
+    """For tile(w, r, xq, xd, xs, t, out): out[t + j, r + i] = totals[i][j] (out: 2-D, rows contiguous)."""
+    ty = signature.args
+    row = context.cast(builder, args[1], ty[1], types.intp)
+    tok = context.cast(builder, args[5], ty[5], types.intp)
+    for j in range(len(totals[0])):
+        out_row = _row_ptr(context, builder, ty[6], args[6], builder.add(tok, ir.Constant(I64, j)))
+        out_row = builder.bitcast(out_row, totals[0][0].type.as_pointer())
+        for i, column in enumerate(totals):
+            builder.store(column[j], builder.gep(out_row, [builder.add(row, ir.Constant(I64, i))]))
+
+
+def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_shape: tuple[int, int]):
+    """The intrinsics (dot, dot_wide, tile) of one weight format, named dot_<fmt>_<suffix>, ...:
+    dot(w, r, xq, xd, xs, t) -> float32 (dot_wide: float64): row r of weight w against activation
+    row t (values xq, block scales xd, per-block sums xs of sums_type); tile(w, r, xq, xd, xs, t,
+    out): out[t + j, r + i] = dot(w, r + i, xq, xd, xs, t + j) for (i, j) < tile_shape, bit for bit
+    (out float32). emit_dots(builder, fmt, acc_type, weight row pointers, activation row pointers,
+    number of blocks) -> totals[row][token] writes the IR; it gives each pair its own accumulators,
+    added to in the order of the pair alone, so a tile's pairs are the dots' bits."""
+
+    def dot(wide: bool):
+        acc_t = F64 if wide else F32
+
+        def typer(typingctx, w, r, xq, xd, xs, t):
+            def codegen(context, builder, signature, args):
+                w_ptrs, x_rows, n_blocks = tile_operands(context, builder, signature, args, sums_type, 1, 1)
+                return emit_dots(builder, fmt, acc_t, w_ptrs, x_rows, n_blocks)[0][0]
+
+            return (types.float64 if wide else types.float32)(w, r, xq, xd, xs, t), codegen
+
+        typer.__name__ = f"dot_{fmt}_{suffix}{'_wide' if wide else ''}"
+        return intrinsic(typer)
+
+    def tile_typer(typingctx, w, r, xq, xd, xs, t, out):
+        def codegen(context, builder, signature, args):
+            w_ptrs, x_rows, n_blocks = tile_operands(context, builder, signature, args, sums_type, *tile_shape)
+            store_tile(context, builder, signature, args, emit_dots(builder, fmt, F32, w_ptrs, x_rows, n_blocks))
+            return context.get_dummy_value()
+
+        return types.void(w, r, xq, xd, xs, t, out), codegen
+
+    tile_typer.__name__ = f"tile_{fmt}_{suffix}"
+    return dot(False), dot(True), intrinsic(tile_typer)
