@@ -5,7 +5,8 @@ takes its NEON path (no x86 machine runs it otherwise), in an arm64 Debian chroo
 .aarch64/. The run happens in a private mount namespace: the checkout is bind-mounted read-only
 at /src, /proc and a fresh tmpfs /tmp (numba's cache, pytest's tmp_path) are mounted, and all of
 it goes away with the process, whatever happens to it. Tests that need llama-cpp-python are
-skipped inside (tests/aarch64/inner_plugin.py)."""
+skipped inside (tests/aarch64/inner_plugin.py). Runs side by side: every inner test as on a Pi 4
+(no dot product, in two halves), and the matmul tests compiled for a Pi 5's Cortex-A76 (sdot)."""
 
 from __future__ import annotations
 
@@ -66,39 +67,94 @@ exec chroot "$R" /bin/sh -c 'cd /src && exec /opt/venv/bin/python -m pytest -p n
 """
 
 
-def test_kernels_on_aarch64_under_qemu(report_in_summary):
+class _InnerRun:
+    """pytest on `args` in the chroot, started at once in the background (the emulated runs are single
+    threaded, and the outer pytest only waits for them: two at a time use both cores)."""
+
+    def __init__(self, args: list[str], extra_env: dict[str, str]):
+        (ROOTFS / "src").mkdir(exist_ok=True)
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
+            "R": str(ROOTFS), "SRC": str(ROOT),
+            "NUMBA_CACHE_DIR": "/tmp/numba", "HYPOTHESIS_STORAGE_DIRECTORY": "/tmp/hypothesis",
+            "DLLAMA_MODELS_DIR": "/src/models",  # the read-only checkout's, which `make test` pulled
+            "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the checkout from inside
+            "NUMBA_NUM_THREADS": "1",  # one core each: emulation is slow enough without a busy machine
+            **extra_env,
+        }
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _INNER, "sh",
+                                      *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self._result = None
+
+    def result(self) -> tuple[int, str, str, str | None, float]:
+        """(exit code, output, summary line, the plugin's check line, seconds), once it has ended."""
+        if self._result is None:
+            try:
+                out, _ = self.proc.communicate(timeout=max(1.0, TIMEOUT - (time.monotonic() - self.start)))
+            finally:
+                self.kill()
+            lines = out.splitlines()
+            check = next((line for line in lines if line.startswith("aarch64-check:")), None)
+            summary = next((line.strip("= ") for line in reversed(lines)
+                            if re.search(r"\d+ (passed|failed|errors?|skipped)", line)), "(no summary)")
+            self._result = (self.proc.returncode, out, summary, check, time.monotonic() - self.start)
+        return self._result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:  # timed out, or the run was interrupted: end the whole inner run
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+# the Pi 5 run: the quantized matmul tests, and that the generated code holds sdot
+_DOTPROD_TESTS = ["tests/test_kernels.py"]
+_DOTPROD_ARGS = [*_DOTPROD_TESTS, "-k", "matmul_matches_reference or matmul_rows_do_not_depend or sdot", "-rA"]
+
+
+@pytest.fixture(scope="module")
+def inner_runs():
+    """The runs, started together: the Pi 4 ones (every inner test, no dot product) and the Pi 5 one."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    (ROOTFS / "src").mkdir(exist_ok=True)
-    env = {
-        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
-        "R": str(ROOTFS), "SRC": str(ROOT),
-        "NUMBA_CACHE_DIR": "/tmp/numba", "HYPOTHESIS_STORAGE_DIRECTORY": "/tmp/hypothesis",
-        "DLLAMA_MODELS_DIR": "/src/models",  # the read-only checkout's, which `make test` pulled
-        "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the checkout from inside
-        "NUMBA_NUM_THREADS": "1",  # one core: emulation is slow enough without a busy machine
-    }
-    start = time.monotonic()
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _INNER, "sh",
-                             *INNER_TESTS], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    half = len(INNER_TESTS) // 2  # the Pi 4 tests in two runs, so that the three share both cores
+    runs = {"pi4": [_InnerRun(tests, {"DLLAMA_NO_DOTPROD": "1"}) for tests in (INNER_TESTS[:half], INNER_TESTS[half:])],
+            "pi5": [_InnerRun(_DOTPROD_ARGS, {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"})]}
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
+        yield runs
     finally:
-        if proc.poll() is None:  # timed out, or this test was interrupted: end the whole inner run
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    elapsed = time.monotonic() - start
-    lines = out.splitlines()
-    tail = "\n".join(lines[-60:])
-    check = next((line for line in lines if line.startswith("aarch64-check:")), None)
-    summary = next((line.strip("= ") for line in reversed(lines)
-                    if re.search(r"\d+ (passed|failed|errors?|skipped)", line)), "(no summary)")
-    print(f"\n{check}\naarch64 (qemu, {elapsed:.0f} s): {summary}")
-    report_in_summary(f"aarch64 under qemu ({', '.join(INNER_TESTS)}): {summary}")
-    assert proc.returncode == 0, f"inner run exited {proc.returncode}: {summary}\n{tail}"
+        for run in runs["pi4"] + runs["pi5"]:
+            run.kill()
+
+
+def _assert_ran(returncode: int, out: str, summary: str, check: str | None, tests: list[str]) -> None:
+    tail = "\n".join(out.splitlines()[-60:])
+    assert returncode == 0, f"inner run exited {returncode}: {summary}\n{tail}"
     assert check and "machine=aarch64" in check and "_X86_AVX2=False" in check, tail
-    for name in INNER_TESTS:  # each file was collected and ran (the progress lines name it)
+    for name in tests:  # each file was collected and ran (the progress lines name it)
         assert re.search(rf"^{re.escape(name)} [.sxX]+", out, re.M), f"{name} did not run inside\n{tail}"
     assert re.search(r"[1-9]\d* passed", summary) and not re.search(r"failed|error", summary), summary
+
+
+def test_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
+    """Every inner test on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON, no dot product)."""
+    half = len(INNER_TESTS) // 2
+    for run, tests in zip(inner_runs["pi4"], (INNER_TESTS[:half], INNER_TESTS[half:])):
+        returncode, out, summary, check, seconds = run.result()
+        print(f"\n{check}\naarch64 (qemu, {seconds:.0f} s): {summary}")
+        report_in_summary(f"aarch64 under qemu ({', '.join(tests)}): {summary}")
+        _assert_ran(returncode, out, summary, check, tests)
+        assert "dotprod=False" in check, check
+
+
+def test_dot_product_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
+    """The quantized matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
+    by qemu, which implements sdot: the same tests, and the instruction in the generated code."""
+    returncode, out, summary, check, seconds = inner_runs["pi5"][0].result()
+    print(f"\n{check}\naarch64 with sdot (qemu, {seconds:.0f} s): {summary}")
+    report_in_summary(f"aarch64 with the dot product under qemu (the matmul tests of tests/test_kernels.py): {summary}")
+    _assert_ran(returncode, out, summary, check, _DOTPROD_TESTS)
+    assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
+    assert "PASSED tests/test_kernels.py::test_quantized_dots_use_sdot_on_aarch64" in out, out[-3000:]

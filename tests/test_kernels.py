@@ -501,29 +501,53 @@ _PRODUCTS_SCRIPT = """
 import sys, numpy as np
 from tests.test_kernels import QTYPES, activations, weight_matrix
 from dllama.kernels.matmul import matmul
-from dllama.kernels.simd import X86_VNNI
-assert not X86_VNNI
+from dllama.kernels.simd import X86_32_REGISTERS, X86_VNNI
+assert not X86_VNNI and not X86_32_REGISTERS
 np.savez(sys.argv[1], **{f"{q.name}-{wide}": matmul(weight_matrix(q, 11, 512, seed=9).data, q,
                                                     activations(9, 512, seed=10), wide=wide)
                          for q in QTYPES[:-2] for wide in (False, True)})
 """
 
 
-def test_avx2_path_gives_the_vnni_path_s_bits(tmp_path):
-    """On a CPU with AVX512-VNNI the quantized dots take vpdpbusd; an AVX2-only CPU runs maddubs +
-    madd (and, for the signed formats, no bias). The integer sums, hence every output bit, must be
-    the same: the AVX2 path, forced here with DLLAMA_NO_VNNI, in a subprocess (its own kernels)."""
-    from dllama.kernels.simd import X86_VNNI
+def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
+    """With AVX-512 the prefill tiles are 4 x 4 (2 x 4 with AVX2's 16 registers) and, with VNNI,
+    the quantized dots take vpdpbusd where an AVX2-only CPU runs maddubs + madd (and, for the
+    signed formats, no bias). Every output bit must be the same: the AVX2 path, forced here with
+    DLLAMA_AVX2_ONLY, in a subprocess (its own kernels)."""
+    from dllama.kernels.simd import X86_32_REGISTERS
 
-    if not X86_VNNI:
-        pytest.skip("no AVX512-VNNI here: the whole suite runs the AVX2 path already")
+    if not X86_32_REGISTERS:
+        pytest.skip("no AVX-512 here: the whole suite runs the AVX2 path already")
     out = tmp_path / "products.npz"
-    env = {**os.environ, "DLLAMA_NO_VNNI": "1"}
+    env = {**os.environ, "DLLAMA_AVX2_ONLY": "1"}
     result = subprocess.run([sys.executable, "-c", _PRODUCTS_SCRIPT, str(out)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     avx2 = np.load(out)
-    for q in QTYPES[:-2]:  # the quantized formats (F16/F32 have no integer dots); 2-row tiles and a row alone
+    for q in QTYPES[:-2]:  # the quantized formats (F16/F32 have no integer dots); tiles and a row alone
         for wide in (False, True):
             ours = matmul(weight_matrix(q, 11, 512, seed=9).data, q, activations(9, 512, seed=10), wide=wide)
             np.testing.assert_array_equal(ours, avx2[f"{q.name}-{wide}"], err_msg=f"{q.name} wide={wide}")
+
+
+def test_quantized_dots_use_sdot_on_aarch64():
+    """Where numba compiles for a CPU with the ARMv8.2 dot product (a Pi 5), the block dots are sdot
+    instructions, not widening multiplies (tests/test_aarch64.py runs this under qemu as a Cortex-A76)."""
+    from dllama.kernels.simd import AARCH64_DOTPROD
+    from dllama.kernels.simd_q8 import dot_q4_0_q8
+    from dllama.kernels.simd_q8k import dot_q4_k_q8k
+
+    if not AARCH64_DOTPROD:
+        pytest.skip("not compiling for AArch64 with the dot product")
+
+    @njit
+    def dots(w, wk, a_q, a_d, a_ds, k_q, k_d, k_s):
+        return dot_q4_0_q8(w, 0, a_q, a_d, a_ds, 0) + dot_q4_k_q8k(wk, 0, k_q, k_d, k_s, 0)
+
+    x = activations(1, 256, seed=1)
+    a, k = Q8Activations.quantize(x), Q8KActivations.quantize(x)
+    args = (weight_matrix(QType.Q4_0, 1, 256, 1).data, weight_matrix(QType.Q4_K, 1, 256, 1).data,
+            a.q, a.d, a.ds, k.q, k.d, k.sums)
+    dots(*args)
+    asm = next(iter(dots.inspect_asm().values()))
+    assert asm.count("sdot") >= 2 and "smull" not in asm, asm[:2000]

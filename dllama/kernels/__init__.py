@@ -18,7 +18,8 @@ def _jit_cache_dir() -> Path:
     digest = hashlib.sha256()
     for source in sorted(here.glob("*.py")) + [here.parent / "quant.py"]:
         digest.update(source.read_bytes())
-    digest.update(b"no-vnni" if "DLLAMA_NO_VNNI" in os.environ else b"")  # it changes the IR simd.py writes
+    for flag in ("DLLAMA_AVX2_ONLY", "DLLAMA_NO_DOTPROD"):  # they change the IR simd.py writes
+        digest.update(flag.encode() if flag in os.environ else b"")
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "dllama" / f"jit-{digest.hexdigest()[:16]}"
 

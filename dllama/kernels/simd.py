@@ -23,6 +23,8 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core import config as numba_config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from ..quant import IQ4_NL_VALUES
@@ -68,6 +70,16 @@ def splat(builder, scalar, n: int):
     return builder.shuffle_vector(v, v, const_vec(I32, [0] * n))
 
 
+def opaque(builder, v):
+    """v, with LLVM unable to see what it is: a splat kept opaque stays a vector, so that a product
+    of two splats is one vector multiply rather than (LLVM's choice) a scalar multiply and a
+    broadcast, one more instruction in a prefill tile's inner loop. No code: an empty asm, on x86
+    (AArch64's constraint takes one 128-bit register, not an 8-lane vector: as LLVM likes it there)."""
+    if not _X86_AVX2:
+        return v
+    return builder.asm(ir.FunctionType(v.type, [v.type]), "", "=x,0", [v], side_effect=False)
+
+
 def hsum_float_8(builder, acc):
     """GGML's hsum_float_8: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
     half = builder.fadd(builder.shuffle_vector(acc, acc, const_vec(I32, [0, 1, 2, 3])),
@@ -78,14 +90,24 @@ def hsum_float_8(builder, acc):
                         builder.extract_element(quarter, ir.Constant(I32, 1)))
 
 
-_HOST_FEATURES = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+# the features numba compiles for: the host's, or NUMBA_CPU_FEATURES (as when the kernels are checked
+# for a Pi 5 under emulation)
+_HOST_FEATURES = set((numba_config.CPU_FEATURES if numba_config.CPU_FEATURES is not None
+                      else get_host_cpu_features()).split(","))
 _X86_AVX2 = "+avx2" in _HOST_FEATURES
+# DLLAMA_AVX2_ONLY: on a CPU with AVX-512, write what an AVX2-only CPU runs (no VNNI, the smaller
+# tile), so that a test here checks that path gives the same bits
+_X86_AVX512 = _X86_AVX2 and "+avx512vl" in _HOST_FEATURES and "DLLAMA_AVX2_ONLY" not in os.environ
 # AVX512-VNNI's vpdpbusd (on 256-bit registers with AVX512-VL) is maddubs + madd in one instruction,
 # without maddubs' 16-bit saturation, and adds into an accumulator: llama.cpp uses it where present.
-# The integer sums are the same either way; DLLAMA_NO_VNNI takes the AVX2 path on such a CPU, so
-# that a test here runs the instructions an AVX2-only CPU runs.
-X86_VNNI = _X86_AVX2 and {"+avx512vnni", "+avx512vl"} <= _HOST_FEATURES and "DLLAMA_NO_VNNI" not in os.environ
+# The integer sums are the same either way.
+X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
+# AVX-512 gives 32 vector registers (16 with AVX2): room for a prefill tile of 16 accumulators
+X86_32_REGISTERS = _X86_AVX512
 _AARCH64 = llvm_binding.get_process_triple().startswith(("aarch64", "arm64"))
+# ARMv8.2's dot product (sdot: four int8 products summed into each i32 lane, one instruction), which a
+# Pi 5's Cortex-A76 has and a Pi 4's A72 has not; DLLAMA_NO_DOTPROD takes the widening multiplies
+AARCH64_DOTPROD = _AARCH64 and "+dotprod" in _HOST_FEATURES and "DLLAMA_NO_DOTPROD" not in os.environ
 IQ4_NL_LEVELS = tuple(int(v) for v in IQ4_NL_VALUES)
 
 
@@ -111,7 +133,7 @@ def iq4_nl_values(builder, nibbles, biased: bool = False):
 def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
     """<32 x i8> weights . <32 x i8> activations (+ <8 x i32> acc) -> <8 x i32>, lane k = sum of
     products 4k..4k+3. Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd
-    pair, with AVX512-VNNI one vpdpbusd."""
+    pair, with AVX512-VNNI one vpdpbusd, on AArch64 with the dot product two sdot."""
     if _X86_AVX2:
         if not w_unsigned:  # maddubs and vpdpbusd want unsigned x signed: move the sign onto the activations
             psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), [vec(I8, 32)] * 2)
@@ -124,6 +146,15 @@ def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
         madd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
         pairs = builder.call(maddubs, [w_i8, x_i8])
         quads = builder.call(madd, [pairs, const_vec(I16, [1] * 16)])
+    elif AARCH64_DOTPROD:  # the weights read as unsigned here are below 128 (4-6 bit quants): signed too
+        sdot = _intrinsic_fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", vec(I32, 4),
+                             [vec(I32, 4), vec(I8, 16), vec(I8, 16)])
+        start = acc if acc is not None else ir.Constant(vec(I32, 8), [0] * 8)
+        halves = [builder.call(sdot, [builder.shuffle_vector(start, start, const_vec(I32, range(4 * h, 4 * h + 4))),
+                                      builder.shuffle_vector(w_i8, w_i8, const_vec(I32, range(16 * h, 16 * h + 16))),
+                                      builder.shuffle_vector(x_i8, x_i8, const_vec(I32, range(16 * h, 16 * h + 16)))])
+                  for h in (0, 1)]
+        return builder.shuffle_vector(halves[0], halves[1], const_vec(I32, range(8)))
     else:
         extend = builder.zext if w_unsigned else builder.sext
         p = builder.sext(builder.mul(extend(w_i8, vec(I16, 32)), builder.sext(x_i8, vec(I16, 32))), vec(I32, 32))

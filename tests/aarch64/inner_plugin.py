@@ -36,8 +36,11 @@ def pytest_configure(config):
     if machine != "aarch64" or not triple.startswith("aarch64") or simd._X86_AVX2:
         pytest.exit(f"not the aarch64 path: machine={machine} triple={triple} _X86_AVX2={simd._X86_AVX2}",
                     returncode=3)
+    from numba.core import config as numba_config
+
+    cpu = numba_config.CPU_NAME or llvm_binding.get_host_cpu_name()  # what numba compiles for
     config._aarch64_check = (f"{CHECK_PREFIX} machine={machine} triple={triple} _X86_AVX2={simd._X86_AVX2} "
-                             f"cpu={llvm_binding.get_host_cpu_name()}")
+                             f"cpu={cpu} dotprod={simd.AARCH64_DOTPROD}")
 
 
 def pytest_report_header(config):
