@@ -140,6 +140,8 @@ def test_matmul_vector_out_and_shared_activations():
     np.testing.assert_array_equal(w.matmul(shared), out)
     np.testing.assert_array_equal(g.matmul(shared), g.matmul(x))
     assert shared.q8 is shared.q8  # quantized once for all the matrices that read it
+    with pytest.raises(ValueError, match="contiguous rows"):  # a prefill tile writes whole rows
+        matmul(w.data, QType.Q4_1, activations(5, 256, seed=8), np.zeros((40, 5), np.float32).T)
 
 
 # ------------------------------------------------------------------ activation quantization

@@ -209,6 +209,8 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
         x = Activations(x)
     if out is None:
         out = np.empty((x.tokens, w.shape[0]), np.float64 if wide else np.float32)
+    elif out.strides[-1] != out.itemsize:  # a prefill tile writes each token's row as contiguous values
+        raise ValueError("matmul's out must have contiguous rows")
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)

@@ -9,9 +9,10 @@ Two reasons to spell the dots out as IR through numba intrinsics instead of writ
   ulp get amplified through a deep network when they flip an activation's 8-bit rounding; keeping
   the same order keeps our logits on top of llama.cpp's on x86.
 
-Here: IR types, loads, GGML's fused multiply-add and 8-lane sum, the operands of a row dot, and
-the only instructions chosen per CPU (the integer quad dot, IQ4_NL's table lookup), so that the
-dots themselves read the same on x86, AArch64 and elsewhere. Every dot has a plain-numpy
+Here: IR types, loads, GGML's fused multiply-add and 8-lane sum, the operands of a row dot or a
+prefill tile and the builder of a format's intrinsics, and the only instructions chosen per CPU
+(the integer quad dots: AVX2, AVX512-VNNI, NEON with or without sdot; IQ4_NL's table lookup), so
+that the dots themselves read the same on x86, AArch64 and elsewhere. Every dot has a plain-numpy
 reference in `matmul.py` / `ops.py` / `attention.py`, and tests check them.
 """
 
