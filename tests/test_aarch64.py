@@ -68,10 +68,12 @@ exec chroot "$R" /bin/sh -c 'cd /src && exec /opt/venv/bin/python -m pytest -p n
 
 
 class _InnerRun:
-    """pytest on `args` in the chroot, started at once in the background (the emulated runs are single
-    threaded, and the outer pytest only waits for them: two at a time use both cores)."""
+    """pytest on the files `tests` (with `options`) in the chroot, started at once in the background
+    (the emulated runs are single threaded, and the outer pytest only waits for them: two at a time
+    use both cores)."""
 
-    def __init__(self, args: list[str], extra_env: dict[str, str]):
+    def __init__(self, tests: list[str], options: list[str], extra_env: dict[str, str]):
+        self.tests = tests  # the files it runs
         (ROOTFS / "src").mkdir(exist_ok=True)
         env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
@@ -84,7 +86,7 @@ class _InnerRun:
         }
         self.start = time.monotonic()
         self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _INNER, "sh",
-                                      *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      *tests, *options], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self._result = None
 
@@ -108,9 +110,10 @@ class _InnerRun:
             self.proc.wait()
 
 
+# the Pi 4 tests in two runs, so that they and the Pi 5 run share both cores
+_PI4_RUNS = (INNER_TESTS[:len(INNER_TESTS) // 2], INNER_TESTS[len(INNER_TESTS) // 2:])
 # the Pi 5 run: the quantized matmul tests, and that the generated code holds sdot
-_DOTPROD_TESTS = ["tests/test_kernels.py"]
-_DOTPROD_ARGS = [*_DOTPROD_TESTS, "-k", "matmul_matches_reference or matmul_rows_do_not_depend or sdot", "-rA"]
+_PI5_OPTIONS = ["-k", "matmul_matches_reference or matmul_rows_do_not_depend or sdot", "-rA"]
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +122,9 @@ def inner_runs():
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    half = len(INNER_TESTS) // 2  # the Pi 4 tests in two runs, so that the three share both cores
-    runs = {"pi4": [_InnerRun(tests, {"DLLAMA_NO_DOTPROD": "1"}) for tests in (INNER_TESTS[:half], INNER_TESTS[half:])],
-            "pi5": [_InnerRun(_DOTPROD_ARGS, {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"})]}
+    runs = {"pi4": [_InnerRun(tests, [], {"DLLAMA_NO_DOTPROD": "1"}) for tests in _PI4_RUNS],
+            "pi5": [_InnerRun(["tests/test_kernels.py"], _PI5_OPTIONS,
+                              {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"})]}
     try:
         yield runs
     finally:
@@ -140,21 +143,21 @@ def _assert_ran(returncode: int, out: str, summary: str, check: str | None, test
 
 def test_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
     """Every inner test on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON, no dot product)."""
-    half = len(INNER_TESTS) // 2
-    for run, tests in zip(inner_runs["pi4"], (INNER_TESTS[:half], INNER_TESTS[half:])):
+    for run in inner_runs["pi4"]:
         returncode, out, summary, check, seconds = run.result()
         print(f"\n{check}\naarch64 (qemu, {seconds:.0f} s): {summary}")
-        report_in_summary(f"aarch64 under qemu ({', '.join(tests)}): {summary}")
-        _assert_ran(returncode, out, summary, check, tests)
+        report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
+        _assert_ran(returncode, out, summary, check, run.tests)
         assert "dotprod=False" in check, check
 
 
 def test_dot_product_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
     """The quantized matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
     by qemu, which implements sdot: the same tests, and the instruction in the generated code."""
-    returncode, out, summary, check, seconds = inner_runs["pi5"][0].result()
+    run = inner_runs["pi5"][0]
+    returncode, out, summary, check, seconds = run.result()
     print(f"\n{check}\naarch64 with sdot (qemu, {seconds:.0f} s): {summary}")
     report_in_summary(f"aarch64 with the dot product under qemu (the matmul tests of tests/test_kernels.py): {summary}")
-    _assert_ran(returncode, out, summary, check, _DOTPROD_TESTS)
+    _assert_ran(returncode, out, summary, check, run.tests)
     assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
     assert "PASSED tests/test_kernels.py::test_quantized_dots_use_sdot_on_aarch64" in out, out[-3000:]
