@@ -80,9 +80,15 @@ class Gather:
         return cls(tuple(s.n_q_heads * head_dim for s in shards), tuple(s.ffn[1] - s.ffn[0] for s in shards),
                    tuple(s.rows[1] - s.rows[0] for s in shards), q8)
 
+    def sends_q8(self, qtype: QType, cols: str) -> bool:
+        """Whether the input of a `qtype` matmul over the "att" or "ffn" columns travels as Q8
+        blocks: with q8, where the matmul reads them and every node's columns are whole blocks."""
+        counts = self.att_cols if cols == "att" else self.ffn_cols
+        return self.q8 and travels_as_q8(qtype) and all(c % QK == 0 for c in counts)
+
     async def project(self, w: Matrix, a: np.ndarray, cols: str, comm: Collectives) -> np.ndarray:
         counts = self.att_cols if cols == "att" else self.ffn_cols
-        if self.q8 and travels_as_q8(w.qtype) and all(c % QK == 0 for c in counts):
+        if self.sends_q8(w.qtype, cols):
             whole = Activations.from_q8(await _gather_q8(Q8Activations.quantize(a), counts, comm))
         else:
             whole = await gather_columns(a, counts, comm)

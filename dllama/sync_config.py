@@ -23,7 +23,8 @@ CODEC_OF_DTYPE = {"f32": None, "f64": None, "f16": "f16", "q80": "q80"}  # f64: 
 SYNC_DTYPES = tuple(CODEC_OF_DTYPE)
 GATHER_DTYPES = ("f32", "q80")  # gather mode sums nothing across nodes: these two are exact
 DEFAULT_DTYPE = {"reduce": "f32", "gather": "q80"}  # where the user names none
-_REDUCE_BYTES = {"f32": 4.0, "f64": 8.0, "f16": 2.0, "q80": 34 / 32}  # per partial sum on the wire
+# per partial sum on the wire (the sync codec's q80: an f32 scale and 32 int8, sync/codecs.py)
+_REDUCE_BYTES = {"f32": 4.0, "f64": 8.0, "f16": 2.0, "q80": 36 / 32}
 _Q8_GATHER_BYTES = 36 / 32  # int8 values, an f16 scale and an f16 sum per 32 (projection._gather_q8)
 
 
@@ -115,12 +116,12 @@ class SyncConfig:
                         for c, n in self.layer_collectives(config, q8_attention, q8_ffn))
         return config.n_layers * per_layer
 
-    def choose(self, config, n_nodes: int, link: LinkFigures, q8_attention: bool,
-               q8_ffn: bool) -> tuple["SyncConfig", dict[str, float]]:
-        """The candidate with the least predicted sync per token (reduce on a tie), and each
-        candidate's prediction by its label."""
+    def choose(self, config, n_nodes: int, link: LinkFigures, q8_attention: bool, q8_ffn: bool,
+               candidates: list["SyncConfig"] | None = None) -> tuple["SyncConfig", dict[str, float]]:
+        """The candidate (default: all of them) with the least predicted sync per token (reduce on
+        a tie), and each candidate's prediction by its label."""
         predicted = {c: c.predicted_sync_seconds(config, n_nodes, link, q8_attention, q8_ffn)
-                     for c in self.candidates()}
+                     for c in (candidates or self.candidates())}
         best = min(predicted, key=predicted.get)
         return best, {c.label: t for c, t in predicted.items()}
 

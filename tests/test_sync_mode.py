@@ -9,8 +9,12 @@ import re
 
 import pytest
 
+from dllama.cluster.link import WorkerLink
+from dllama.cluster.sync_mode import reduce_fits
 from dllama.errors import DllamaError
 from dllama.gguf_model import GGUFModel
+from dllama.plan import Plan
+from dllama.sync.auto import predicted_seconds
 from dllama.sync_config import LinkFigures, SyncConfig
 
 from .cluster_helpers import greedy_tokens, in_process_cluster
@@ -57,6 +61,21 @@ def test_auto_prices_both_modes_on_the_link(gguf_model, link, q8, expected, algo
     assert predicted[expected] == min(predicted.values())
 
 
+def test_an_algorithm_is_priced_as_what_it_runs():
+    """Rabenseifner's all-gather is recursive doubling's (it has none of its own), not the cheapest one."""
+    link = (SLOW.alpha, SLOW.beta, SLOW.gamma)
+    assert predicted_seconds("all_gather", "rabenseifner", 1e5, 3, *link) == predicted_seconds("all_gather", "rd",
+                                                                                                1e5, 3, *link)
+    assert predicted_seconds("all_gather", "rd", 1e5, 3, *link) > predicted_seconds("all_gather", "auto", 1e5, 3,
+                                                                                    *link)
+
+
+def test_reduce_q80_is_priced_at_its_codec_bytes(gguf_model):
+    cfg = gguf_model.config
+    assert SyncConfig(mode="reduce", dtype="q80").layer_collectives(cfg, True, True) == [
+        ("all_reduce", cfg.dim * 36 / 32)] * 2  # an f32 scale and 32 int8 per block (sync/codecs.py)
+
+
 def test_auto_keeps_an_asked_dtype(gguf_model):
     cfg = gguf_model.config
     only_reduce, predicted = SyncConfig(mode="auto", dtype="f16").choose(cfg, 2, SLOW, True, True)
@@ -93,3 +112,34 @@ def test_the_cli_says_what_auto_chose(synthetic_model):
     assert "2 node(s) (auto sync, reduce, f32)" in r.stderr
     assert re.search(r"--sync-mode auto: reduce \(f32\) on the measured link \(\d+ us per message, \d+ MB/s\); "
                      r"predicted sync ms/token: reduce \(f32\) [\d.]+, gather \(q80\) [\d.]+", r.stderr), r.stderr
+
+
+async def test_a_recovery_keeps_the_mode_auto_chose(model, monkeypatch):
+    """A worker lost mid-session: the rest of the answer runs in the mode it began in (not priced
+    again for fewer nodes, which could switch modes in the middle of an answer)."""
+    timed, time_link = [], WorkerLink.time_link
+
+    async def counted(self, *args, **kwargs):
+        timed.append(self.address)
+        return await time_link(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerLink, "time_link", counted)
+    async with in_process_cluster(model, 2, algo="auto", sync_mode="auto", sync_dtype=None, ctx=64,
+                                  timeout=5) as (engine, workers):
+        chosen, choice = engine.sync, engine.sync_choice
+        assert len(timed) == 2 and engine.n_nodes == 3
+        await workers[1].close()
+        assert len(await greedy_tokens(engine, [1, 17, 300, 4242, 99], 4)) == 4
+        assert engine.n_nodes == 2 and any("recovered" in e for e in engine.events)
+        assert engine.sync == chosen and engine.sync_choice == choice and len(timed) == 2
+
+
+async def test_auto_leaves_out_reduce_where_a_k_quant_cannot_be_cut(requantized_model):
+    """Q4_K's attention output is cut in columns of 256: 3 nodes get 3, 3 and 2 heads of 64, which
+    reduce mode cannot cut, so auto takes gather (which cuts rows) without timing the link."""
+    kq = GGUFModel(requantized_model("Q4_K_M", pure=True, source="F16-256"))
+    assert reduce_fits(kq, Plan.split(kq.config, [1, 1]).shards)
+    assert not reduce_fits(kq, Plan.split(kq.config, [1, 1, 1]).shards)
+    async with in_process_cluster(kq, 2, algo="auto", sync_mode="auto", sync_dtype=None, ctx=64) as (engine, _):
+        assert engine.sync.mode == "gather" and "only mode" in engine.sync_choice["reason"]
+        assert len(await greedy_tokens(engine, [1, 17, 300, 4242, 99], 4)) == 4

@@ -1,5 +1,5 @@
 """Fuzz a worker daemon over real sockets: 10,000+ random and mutated frames before the handshake,
-and 10,000+ mutated messages after it (SETUP, TENSOR, FORWARD, ACTIVATIONS, GO, END, from a
+and 10,000+ mutated messages after it (SETUP, TENSOR, FORWARD, ACTIVATIONS, GO, END, ECHO, from a
 client that got past the handshake with no secret); then check the worker still serves a root
 the right answer, did not grow its memory, and never crashed or logged a traceback."""
 
@@ -378,22 +378,75 @@ class PostHandshakeFuzzer:
         finally:
             await self._end()
 
+    async def _probed(self) -> None:
+        """Connected, PROBE answered (retried while the worker still closes the last session)."""
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            await self.root.connect()
+            await self.root.conn.send_msg(P.PROBE, M.Probe().to_wire())
+            kind, reply = await self.root.reply(P.PROBED)
+            if kind == P.PROBED.name:
+                return
+            assert "busy" in reply["error"] and asyncio.get_running_loop().time() < deadline, reply
+            await self.root.close()
+            await asyncio.sleep(0.01)
+
+    async def echo_message(self) -> None:
+        """An ECHO (the root timing its link), mutated, after PROBE where the protocol has it, or
+        before PROBE or after SETUP where it has not: the worker sends back what the schema accepts
+        and then still serves the SETUP, and refuses the rest."""
+        root, rng = self.root, self.rng
+        body = {"payload": rng.randbytes(rng.choice([0, 1, 100, 4096]))}
+        where = mutate(rng, body) if rng.random() < 0.7 else "as is"
+        phase = rng.choice(["after PROBE", "after PROBE", "before PROBE", "after SETUP"])
+        echoed = _accepted(M.Echo, body) if phase == "after PROBE" else None
+        try:
+            if phase == "before PROBE":
+                await root.connect()
+            else:
+                await self._probed()
+            if phase == "after SETUP":
+                await root.conn.send_msg(P.SETUP, M.to_wire(root.setup()))
+                kind, reply = await root.reply(P.NEED)
+                assert kind == P.NEED.name, reply
+                if not reply["names"]:  # all cached: the ECHO comes where GO should
+                    kind, reply = await root.reply(P.LOADED, timeout=30)
+                    assert kind == P.LOADED.name, reply
+            await root.conn.send_msg(P.ECHO, body)
+            try:
+                kind, reply = await root.reply(P.ECHO)
+            except NetworkError:
+                kind, reply = "dropped", {}
+            assert (kind == P.ECHO.name) == (echoed is not None), (phase, where, kind, reply)
+            if echoed is None:
+                self.refused += 1
+            else:
+                assert reply["payload"] == echoed.payload, (where, reply)
+                await root.conn.send_msg(P.SETUP, M.to_wire(root.setup()))
+                kind, reply = await root.reply(P.NEED)
+                assert kind == P.NEED.name, (where, reply)
+        finally:
+            self.sent["ECHO"] += 1
+            await self._end()
+
     async def batch(self, n: int) -> None:
         goal = sum(self.sent.values()) + n
         while sum(self.sent.values()) < goal:
             r = self.rng.random()
-            if r < 0.47 or r >= 0.97:
+            if r < 0.45 or r >= 0.93:
                 await self._end()  # those start a session of their own: the worker serves one root at a time
-            if r < 0.35:
+            if r < 0.33:
                 await self.setup_message()
-            elif r < 0.47:
+            elif r < 0.45:
                 await self.tensor_message()
-            elif r < 0.77:
+            elif r < 0.75:
                 await self.step_message("FORWARD")
-            elif r < 0.97:
+            elif r < 0.93:
                 await self.step_message("ACTIVATIONS")
-            else:
+            elif r < 0.96:
                 await self.go_or_end_message()
+            else:
+                await self.echo_message()
         await self._end()
 
 

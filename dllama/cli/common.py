@@ -189,7 +189,9 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
              f"{engine.n_nodes} node(s) ({engine.sync.algo} sync, {engine.sync.mode}, {engine.sync.dtype}), "
              f"{threads} thread(s) each")
         choice = engine.sync_choice
-        if choice is not None:
+        if choice is not None and "reason" in choice:
+            info(f"--sync-mode auto: {choice['chosen']}, {choice['reason']}")
+        elif choice is not None:
             predicted = ", ".join(f"{label} {ms:.2f}" for label, ms in choice["predicted_sync_ms_per_token"].items())
             info(f"--sync-mode auto: {choice['chosen']} on the measured link ({choice['link']}); "
                  f"predicted sync ms/token: {predicted}")

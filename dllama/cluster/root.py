@@ -32,7 +32,7 @@ from . import protocol as P
 from .node import measure_speed, mem_available
 from .link import WorkerLink, answers
 from .slices import make_entry
-from .sync_mode import settle_sync
+from .sync_mode import reduce_fits, settle_sync
 
 log = logging.getLogger("dllama.root")
 
@@ -129,10 +129,11 @@ class ClusterEngine(Engine):
                 self._event(f"found worker {ad.name} at {ad.host}:{ad.port} on the network")
         return [ad.address for ad in fresh]
 
-    async def _build(self, addresses, tolerate_missing: bool) -> None:
-        """A new session over the workers at `addresses` that answer: plan, stream slices, form the
-        sync group. An unreachable configured worker is an error, or (tolerate_missing) left out;
-        a discovered one that fails in any way is left out."""
+    async def _build(self, addresses, tolerate_missing: bool, keep_sync: bool = False) -> None:
+        """A new session over the workers at `addresses` that answer: plan, settle the sync mode,
+        stream slices, form the sync group. An unreachable configured worker is an error, or
+        (tolerate_missing) left out; a discovered one that fails in any way is left out. keep_sync
+        (a recovery): the mode the session had, where it still fits, so the answer goes on as it began."""
         self.session = uuid.uuid4().hex[:12]
         measure = self.requested_weights == "auto"
         candidates = [WorkerLink(i + 1, h, p, self.timeout) for i, (h, p) in enumerate(addresses)]
@@ -157,8 +158,12 @@ class ClusterEngine(Engine):
                 self.workers.append(w)
         for rank, w in enumerate(self.workers, start=1):  # ranks are contiguous among the present
             w.renumber(rank)
-        self.sync, self.sync_choice = await settle_sync(self.requested_sync, self.model_file, self.workers)
         self.plan = Plan.split(self.config, self._node_weights(measure))
+        keep = keep_sync and self.workers and (self.sync.mode != "reduce" or reduce_fits(self.model_file,
+                                                                                           self.plan.shards))
+        if not keep:
+            self.sync, self.sync_choice = await settle_sync(self.requested_sync, self.model_file, self.workers,
+                                                            self.plan.shards)
         self._check_memory()
         own = self.plan.shards[0]
         manifests = [[(make_entry(name, t), t) for name, t in shard_tensors(self.model_file, shard, self.sync.mode)]
@@ -238,7 +243,7 @@ class ClusterEngine(Engine):
         t0 = time.perf_counter()
         self._event(f"{error}; re-planning onto the nodes that still answer")
         await self._teardown(reason=f"the root re-plans after: {error}")
-        await self._build([w.address for w in self.workers], tolerate_missing=True)
+        await self._build([w.address for w in self.workers], tolerate_missing=True, keep_sync=True)
         # the kernels are batch-invariant: any chunking rebuilds the cache that was lost, bit for bit
         position = 0
         while position < start:

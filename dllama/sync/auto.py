@@ -95,16 +95,21 @@ _COST = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gath
          "broadcast": _broadcast, "reduce": _reduce}
 
 
+# An algorithm with no version of its own of a collective runs another's: Rabenseifner's all-gather is
+# recursive doubling's (its base class), mesh's and ring's broadcast/reduce the linear (star) ones of base.py
+_RUNS_AS = {("all_gather", "rabenseifner"): "rd", ("broadcast", "mesh"): "star", ("reduce", "mesh"): "star",
+            ("reduce", "ring"): "star"}
+
+
 def predicted_seconds(collective: str, algo: str, nbytes: float, p: int, alpha: float, beta: float,
                       gamma: float) -> float:
-    """The model's time for one collective of nbytes on p ranks with `algo`; "auto" (or an algorithm
-    that runs this collective as another does: Rabenseifner's all-gather is recursive doubling's)
-    takes the cheapest candidate, as Auto would."""
+    """The model's time for one collective of nbytes on p ranks with `algo` ("auto": the cheapest
+    candidate, as Auto would take)."""
     if p == 1:
         return 0.0
-    if algo in CANDIDATES[collective]:
-        return _COST[collective](algo, nbytes, p, alpha, beta, gamma)
-    return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective])
+    if algo == "auto":
+        return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective])
+    return _COST[collective](_RUNS_AS.get((collective, algo), algo), nbytes, p, alpha, beta, gamma)
 
 
 class Auto(Algorithm):
