@@ -18,7 +18,7 @@ from numba import njit, prange
 from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
-from .simd_float import dot_f16_f16_vec, dot_f32_f32_vec, f16_at
+from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
 from .simd_q8 import (TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
                       dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
                       dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
@@ -136,20 +136,41 @@ def dot_f16(a, a_offset, b, b_offset, n):
     one. The F16 matmul and the attention use it for every token, so a token's result does not
     depend on how many are computed together."""
     main = n - n % 32
-    total = np.float64(dot_f16_f16_vec(a, a_offset, b, b_offset, main))
-    for i in range(main, n):
+    return _f16_tail(dot_f16_f16_vec(a, a_offset, b, b_offset, main), a, a_offset, b, b_offset, main, n)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _f16_tail(head, a, a_offset, b, b_offset, start, n):
+    """head (the sum of the first `start` products) plus products start..n-1, added in float64."""
+    total = np.float64(head)
+    for i in range(start, n):
         total += np.float64(f16_at(a, a_offset + i) * f16_at(b, b_offset + i))
     return np.float32(total)
 
 
+F16_ROW_BLOCK = 32  # rows that stay in L2 while each tile of tokens passes over them
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_f16(w, x16, out):
+def _mm_f16(w, x16, x32, out):
+    """dot_f16 of every (row, token). Several tokens: tiles of one row x F16_TILE_TOKENS tokens read
+    the activations as float32 (x32: x16's values, exactly) and convert each weight vector once for
+    them; the rest one pair at a time."""
     rows, cols = w.shape
     T = x16.shape[0]
     row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
-    for r in prange(rows):
-        for t in range(T):
-            out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
+    main = cols - cols % 32
+    tiled_tokens = T - T % F16_TILE_TOKENS
+    for block in prange((rows + F16_ROW_BLOCK - 1) // F16_ROW_BLOCK):
+        first, last = block * F16_ROW_BLOCK, min(rows, (block + 1) * F16_ROW_BLOCK)
+        for t in range(0, tiled_tokens, F16_TILE_TOKENS):  # these tokens stay in L1 for the block's rows
+            for r in range(first, last):
+                tile_f16_f32(w, r, x32, t, main, out)
+                for j in range(t, t + F16_TILE_TOKENS):
+                    out[j, r] = _f16_tail(out[j, r], w, r * row_stride, x16, j * cols, main, cols)
+        for r in range(first, last):
+            for t in range(tiled_tokens, T):
+                out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -228,7 +249,8 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
             _mm_f32_wide(w, x.x, out)
         return out
     if qtype == QType.F16:
-        _mm_f16(w.view(np.uint16), x.f16_bits, out)
+        x16 = x.f16_bits
+        _mm_f16(w.view(np.uint16), x16, x16.view(np.float16).astype(np.float32), out)
     elif qtype == QType.F32:
         _mm_f32(w, x.x, out)
     else:

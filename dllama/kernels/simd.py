@@ -197,7 +197,7 @@ def pair_sums(builder, v):
                        builder.shuffle_vector(v, v, const_vec(I32, range(1, 2 * n, 2))))
 
 
-def _row_ptr(context, builder, array_type, array, row):
+def row_ptr(context, builder, array_type, array, row):
     """Pointer to array[row, 0] of a 2-D array whose rows are contiguous. Indexing through the
     array struct (not a numba view per row) avoids a reference count update per row, which is an
     atomic on a shared cache line when several threads run the loop."""
@@ -214,13 +214,13 @@ def tile_operands(context, builder, signature, args, sums_type: ir.Type, n_rows:
     ty = signature.args
     row = context.cast(builder, row, ty[1], types.intp)
     tok = context.cast(builder, tok, ty[5], types.intp)
-    w_ptrs = [_row_ptr(context, builder, ty[0], w_arr, builder.add(row, ir.Constant(I64, i))) for i in range(n_rows)]
+    w_ptrs = [row_ptr(context, builder, ty[0], w_arr, builder.add(row, ir.Constant(I64, i))) for i in range(n_rows)]
     x_rows = []
     for j in range(n_tokens):
         t = builder.add(tok, ir.Constant(I64, j))
-        x_rows.append((_row_ptr(context, builder, ty[2], xq_arr, t),
-                       builder.bitcast(_row_ptr(context, builder, ty[3], xd_arr, t), F32.as_pointer()),
-                       builder.bitcast(_row_ptr(context, builder, ty[4], xs_arr, t), sums_type.as_pointer())))
+        x_rows.append((row_ptr(context, builder, ty[2], xq_arr, t),
+                       builder.bitcast(row_ptr(context, builder, ty[3], xd_arr, t), F32.as_pointer()),
+                       builder.bitcast(row_ptr(context, builder, ty[4], xs_arr, t), sums_type.as_pointer())))
     n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
     return w_ptrs, x_rows, n_blocks
 
@@ -231,7 +231,7 @@ def store_tile(context, builder, signature, args, totals):
     row = context.cast(builder, args[1], ty[1], types.intp)
     tok = context.cast(builder, args[5], ty[5], types.intp)
     for j in range(len(totals[0])):
-        out_row = _row_ptr(context, builder, ty[6], args[6], builder.add(tok, ir.Constant(I64, j)))
+        out_row = row_ptr(context, builder, ty[6], args[6], builder.add(tok, ir.Constant(I64, j)))
         out_row = builder.bitcast(out_row, totals[0][0].type.as_pointer())
         for i, column in enumerate(totals):
             builder.store(column[j], builder.gep(out_row, [builder.add(row, ir.Constant(I64, i))]))

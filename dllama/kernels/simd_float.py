@@ -11,7 +11,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import F16, F32, I16, I32, I64, LANES, const_vec, data_ptr, fmuladd, hsum_float_8, load_at, vec
+from .simd import (F16, F32, I16, I32, I64, LANES, const_vec, data_ptr, fmuladd, hsum_float_8, load_at, row_ptr,
+                   vec)
 
 
 def _ggml_vec_dot(elem: ir.Type):
@@ -39,14 +40,63 @@ def _ggml_vec_dot(elem: ir.Type):
             for j, slot in enumerate(slots):
                 offset = builder.add(base, ir.Constant(I64, size * LANES * j))
                 builder.store(fmuladd(builder, load(a_ptr, offset), load(b_ptr, offset), builder.load(slot)), slot)
-        s0, s1, s2, s3 = (builder.load(slot) for slot in slots)
-        x = builder.fadd(builder.fadd(s0, s2), builder.fadd(s1, s3))
-        t = builder.fadd(builder.shuffle_vector(x, x, const_vec(I32, [0, 1, 2, 3])),
-                         builder.shuffle_vector(x, x, const_vec(I32, [4, 5, 6, 7])))
-        el = [builder.extract_element(t, ir.Constant(I32, i)) for i in range(4)]
-        return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
+        return _ggml_reduce(builder, [builder.load(slot) for slot in slots])
 
     return codegen
+
+
+def _ggml_reduce(builder, accumulators):
+    """GGML_F32_VEC_REDUCE of four 8-lane accumulators: (s0+s2)+(s1+s3), then t_k = s_k + s_k+4,
+    then (t0+t1)+(t2+t3)."""
+    s0, s1, s2, s3 = accumulators
+    x = builder.fadd(builder.fadd(s0, s2), builder.fadd(s1, s3))
+    t = builder.fadd(builder.shuffle_vector(x, x, const_vec(I32, [0, 1, 2, 3])),
+                     builder.shuffle_vector(x, x, const_vec(I32, [4, 5, 6, 7])))
+    el = [builder.extract_element(t, ir.Constant(I32, i)) for i in range(4)]
+    return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
+
+
+F16_TILE_TOKENS = 4
+
+
+def _f16_tile(context, builder, signature, args):
+    """Codegen of tile_f16_f32: one f16 weight row against F16_TILE_TOKENS activation rows, each
+    pair in dot_f16_f16_vec's order (its own four accumulators), each weight vector converted
+    once for all the tokens."""
+    w_arr, row, x_arr, tok, count, out = args
+    ty = signature.args
+    row = context.cast(builder, row, ty[1], types.intp)
+    tok = context.cast(builder, tok, ty[3], types.intp)
+    w_ptr = row_ptr(context, builder, ty[0], w_arr, row)
+    x_ptrs = [row_ptr(context, builder, ty[2], x_arr, builder.add(tok, ir.Constant(I64, j)))
+              for j in range(F16_TILE_TOKENS)]
+    zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+    slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in x_ptrs]
+    for slot in (s for token_slots in slots for s in token_slots):
+        builder.store(zero, slot)
+    n_steps = builder.sdiv(context.cast(builder, count, ty[4], types.intp), ir.Constant(I64, 4 * LANES))
+    with cgutils.for_range(builder, n_steps) as loop:
+        for k in range(4):
+            value = builder.add(builder.mul(loop.index, ir.Constant(I64, 4 * LANES)), ir.Constant(I64, LANES * k))
+            w16 = load_at(builder, w_ptr, builder.mul(value, ir.Constant(I64, 2)), I16, LANES)
+            w = builder.fpext(builder.bitcast(w16, vec(F16, LANES)), vec(F32, LANES))
+            for x_ptr, token_slots in zip(x_ptrs, slots):
+                x = load_at(builder, x_ptr, builder.mul(value, ir.Constant(I64, 4)), F32, LANES)
+                builder.store(fmuladd(builder, w, x, builder.load(token_slots[k])), token_slots[k])
+    for j, token_slots in enumerate(slots):
+        out_row = builder.bitcast(row_ptr(context, builder, ty[5], out, builder.add(tok, ir.Constant(I64, j))),
+                                  F32.as_pointer())
+        builder.store(_ggml_reduce(builder, [builder.load(slot) for slot in token_slots]), builder.gep(out_row, [row]))
+    return context.get_dummy_value()
+
+
+@intrinsic
+def tile_f16_f32(typingctx, w, r, x, t, n, out):
+    """out[t + j, r] = the sum of the first n (a multiple of 32) products of row r of w (f16 bits,
+    the row contiguous) with row t + j of x (float32 values that are f16s, exactly converted), for
+    j < F16_TILE_TOKENS: bit for bit dot_f16_f16_vec of each pair (prefill: the weights are
+    converted once per F16_TILE_TOKENS tokens, not once per token)."""
+    return types.void(w, r, x, t, n, out), _f16_tile
 
 
 @intrinsic
