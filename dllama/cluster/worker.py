@@ -180,14 +180,13 @@ class _Session:
             # the root may time the link first (--sync-mode auto): ECHOs, bounded in number, all
             # within the one deadline for SETUP (so they cannot hold this worker busy any longer)
             deadline = time.monotonic() + PLAN_TIMEOUT
-            kind, body = await self._recv((P.SETUP, P.ECHO), PLAN_TIMEOUT, "SETUP")
-            echoes = 0
-            while kind == P.ECHO.name:
-                echoes += 1
-                if echoes > P.MAX_ECHOES:
+            for echoes in range(P.MAX_ECHOES + 1):
+                kind, body = await self._recv((P.SETUP, P.ECHO), max(0.0, deadline - time.monotonic()), "SETUP")
+                if kind != P.ECHO.name:
+                    break
+                if echoes == P.MAX_ECHOES:
                     raise InvalidMessage(f"more than {P.MAX_ECHOES} {P.ECHO.name} messages before {P.SETUP.name}")
                 await conn.send_msg(P.ECHO, M.to_wire(M.decode(P.ECHO, M.Echo, body)))
-                kind, body = await self._recv((P.SETUP, P.ECHO), max(0.0, deadline - time.monotonic()), "SETUP")
         setup = M.decode(P.SETUP, M.Setup, body)
         t0 = time.perf_counter()
         model, cached = await self._load(setup)

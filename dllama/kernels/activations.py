@@ -145,19 +145,19 @@ class Activations:
     """Activations x (T, cols) float32, with the forms the kernels read computed once on first
     use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
 
-    __slots__ = ("x", "_q8", "_q8k", "_f16")
+    __slots__ = ("x", "_q8", "_q8k", "_f16", "_f16_values")
 
     def __init__(self, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.x = x[None, :] if x.ndim == 1 else x
-        self._q8 = self._q8k = self._f16 = None
+        self._q8 = self._q8k = self._f16 = self._f16_values = None
 
     @classmethod
     def from_q8(cls, q8: Q8Activations) -> "Activations":
         """Activations known only in their Q8 form (gathered from other nodes as blocks): they
         feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
         self = cls.__new__(cls)
-        self.x, self._q8, self._q8k, self._f16 = None, q8, None, None
+        self.x, self._q8, self._q8k, self._f16, self._f16_values = None, q8, None, None, None
         return self
 
     def take(self, index: np.ndarray) -> "Activations":
@@ -168,6 +168,7 @@ class Activations:
         out._q8 = None if self._q8 is None else self._q8.take(index)
         out._q8k = None if self._q8k is None else self._q8k.take(index)
         out._f16 = None if self._f16 is None else self._f16[index]
+        out._f16_values = None if self._f16_values is None else self._f16_values[index]
         return out
 
     @property
@@ -191,3 +192,10 @@ class Activations:
         if self._f16 is None:
             self._f16 = self.x.astype(np.float16).view(np.uint16)
         return self._f16
+
+    @property
+    def f16_values(self) -> np.ndarray:
+        """f16_bits' values as float32 (exact), which the F16 prefill tiles read."""
+        if self._f16_values is None:
+            self._f16_values = self.f16_bits.view(np.float16).astype(np.float32)
+        return self._f16_values

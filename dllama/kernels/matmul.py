@@ -249,8 +249,7 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
             _mm_f32_wide(w, x.x, out)
         return out
     if qtype == QType.F16:
-        x16 = x.f16_bits
-        _mm_f16(w.view(np.uint16), x16, x16.view(np.float16).astype(np.float32), out)
+        _mm_f16(w.view(np.uint16), x.f16_bits, x.f16_values, out)
     elif qtype == QType.F32:
         _mm_f32(w, x.x, out)
     else:
