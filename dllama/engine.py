@@ -20,14 +20,15 @@ import numba
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ContextOverflow
+from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
+from .kv_cache import round_capacity
 from .model import ShardModel, ShardWeights
 from .net.loop import new_event_loop
-from .plan import Plan
+from .plan import Plan, default_kv_budget
 from .projection import Reduce
 from .sampling import LogitSummary, SamplingParams
-from .step import PREFILL_CHUNK, NodeStep, Step
+from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
 from .sync_config import SyncConfig
 from .weights import Matrix
 
@@ -86,9 +87,23 @@ class ComputeThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+@dataclass
+class SeqInput:
+    """One sequence's part of a step, as the batcher asks for it: tokens to append to the
+    sequence in `slot`, and which of their logits to summarize how (see step.Seq)."""
+
+    slot: int
+    tokens: list[int]
+    params: SamplingParams
+    recent: list[int] = ()
+    targets: list[int] | None = None
+    want_logits: bool = True
+
+
 class Engine:
-    """Holds the KV cache position. Subclasses implement `_forward`, which runs on the compute
-    thread, like anything else of theirs that touches the model or the network."""
+    """Holds the sequences' contexts, one per KV cache slot, and what their caches may hold.
+    Subclasses implement `_forward`, which runs on the compute thread, like anything else of theirs
+    that touches the model or the network."""
 
     config: ModelConfig
     ctx_size: int
@@ -97,28 +112,132 @@ class Engine:
     sync_choice: dict | None = None  # --sync-mode auto on a cluster: what it settled on, and the figures why
 
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
+    batcher = None  # the batching.Batcher generating on it, once there is one
 
-    def __init__(self):
+    def __init__(self, slots: int = 1, kv_budget: int | None = None):
+        """slots: sequences that may decode together; kv_budget: positions their KV caches may
+        hold in all (at least one whole context; default: each slot a whole context)."""
         self.events: list[str] = []  # failures and recoveries of a cluster, for logs, /health and /metrics
-        self.context: list[int] = []  # the tokens in the KV cache, in order
+        self.slots = slots
+        self.kv_budget = kv_budget
+        self.kv_budget_given: bool | None = None  # set with the budget (a default one fits the nodes' memory)
+        self.contexts: list[list[int]] = [[] for _ in range(slots)]  # the tokens in each slot's KV cache
+        self.capacities = [0] * slots  # positions each slot's cache holds, on every node
+        self._to_free: set[int] = set()  # slots whose caches the next step drops
+        self._copies: list[Copy] = []  # prompt starts the next step copies from slot to slot
+        self.in_use: set[int] | None = None  # slots a batcher is generating in (None: all may be)
         self.stats = StepStats()
-        self.lock = asyncio.Lock()  # one generation at a time drives the engine
         self.compute = ComputeThread()
 
+    def _set_budget(self, ctx_size: int, nodes: list[tuple[int | None, int, int]] = ()) -> None:
+        """Called by subclasses once the context is known; nodes: what default_kv_budget needs
+        to fit a default budget (no --kv-budget) into each node's memory."""
+        one = round_capacity(ctx_size)
+        if self.kv_budget_given is None:
+            self.kv_budget_given = self.kv_budget is not None
+        if not self.kv_budget_given:
+            self.kv_budget = default_kv_budget(self.config, ctx_size, self.slots, nodes)
+        self.kv_budget = round_capacity(self.kv_budget)
+        if self.kv_budget < one:
+            raise DllamaError(f"a KV budget of {self.kv_budget} positions cannot hold one context of {ctx_size}")
+
+    # ------------------------------------------------------------------ the KV cache slots
+
+    @property
+    def context(self) -> list[int]:
+        """Slot 0's tokens: the one sequence of inference, chat and perplexity."""
+        return self.contexts[0]
+
+    @property
+    def n_cached(self) -> int:
+        return len(self.contexts[0])
+
+    @property
+    def kv_used(self) -> int:
+        """Positions the slots' caches hold (what counts against the budget)."""
+        return sum(self.capacities)
+
+    def fits(self, slot: int, positions: int) -> bool:
+        """Whether `slot` can be given room for `positions` within the budget."""
+        capacity = round_capacity(min(positions, self.ctx_size))
+        return self.kv_used - self.capacities[slot] + capacity <= self.kv_budget
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Size slot's cache for `positions` (at most the context), keeping its tokens below that."""
+        capacity = round_capacity(min(positions, self.ctx_size))
+        if not self.fits(slot, positions):
+            raise ContextOverflow(f"{capacity} positions for slot {slot} do not fit the KV budget of "
+                                  f"{self.kv_budget} ({self.kv_used - self.capacities[slot]} in use by the others)")
+        del self.contexts[slot][capacity:]
+        self.capacities[slot] = capacity
+
+    def release(self, slot: int) -> None:
+        """Forget slot's sequence; every node frees its cache with the next step."""
+        self.contexts[slot] = []
+        self.capacities[slot] = 0
+        self._to_free.add(slot)
+        self._copies = [c for c in self._copies if c.dst != slot]  # (a copy from it still runs, first)
+
+    @property
+    def copy_sources(self) -> set[int]:
+        """Slots the next step copies from (not to be evicted before it)."""
+        return {c.src for c in self._copies}
+
+    def share_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst (reserved) takes src's first n tokens and their cache, copied on every node with
+        the next step."""
+        if not n <= min(len(self.contexts[src]), self.capacities[dst]):
+            raise ValueError(f"cannot copy {n} positions from slot {src} into slot {dst}")
+        self.contexts[dst] = self.contexts[src][:n]
+        self._copies.append(Copy(src=src, dst=dst, n=n, capacity=self.capacities[dst]))
+
+    def rewind(self, n_tokens: int, slot: int = 0) -> None:
+        """Forget slot's context after its first n_tokens (the cache is overwritten from there)."""
+        del self.contexts[slot][n_tokens:]
+
+    # ------------------------------------------------------------------ steps
+
+    async def step(self, seqs: list[SeqInput]) -> list[list[list[LogitSummary]]]:
+        """One forward pass over several sequences' tokens (each slot at most once, within its
+        capacity). Per sequence: for each position whose logits it asks, one summary per node."""
+        wire, tokens = [], []
+        for s in seqs:
+            start = len(self.contexts[s.slot])
+            if start + len(s.tokens) > self.capacities[s.slot]:
+                raise ContextOverflow(f"{start + len(s.tokens)} tokens do not fit the "
+                                      f"{self.capacities[s.slot]} positions reserved for slot {s.slot}")
+            wire.append(Seq.of(s.slot, start, len(s.tokens), self.capacities[s.slot], s.params, s.recent,
+                               s.targets, s.want_logits))
+            tokens += s.tokens
+        step = Step(wire, sorted(self._to_free), list(self._copies))
+        flat = await self.compute.run(self._forward(tokens, step))
+        self._to_free.difference_update(step.free)
+        del self._copies[:len(step.copies)]
+        out, at = [], 0
+        for s, w in zip(seqs, wire):
+            self.contexts[s.slot] += s.tokens
+            out.append(flat[at:at + w.n_summaries])
+            at += w.n_summaries
+        return out
+
     async def feed(self, tokens: list[int], params: SamplingParams, recent: list[int] = (),
-                   targets: list[int] | None = None) -> list[list[LogitSummary]]:
-        """Append tokens to the context. Returns, for the last position (or with `targets`, one
-        per token: the token that follows it, for every position), one summary per node."""
-        if self.n_cached + len(tokens) > self.ctx_size:
-            raise ContextOverflow(f"{self.n_cached + len(tokens)} tokens do not fit the context of {self.ctx_size}")
+                   targets: list[int] | None = None, slot: int = 0) -> list[list[LogitSummary]]:
+        """Append tokens to one sequence (its cache grown as needed). Returns, for the last
+        position (or with `targets`, one per token: the token that follows it, for every
+        position), one summary per node."""
+        have = len(self.contexts[slot])
+        if have + len(tokens) > self.ctx_size:
+            raise ContextOverflow(f"{have + len(tokens)} tokens do not fit the context of {self.ctx_size}")
+        if have + len(tokens) > self.capacities[slot]:  # doubling: a few copies over a whole context
+            doubled = max(have + len(tokens), 2 * self.capacities[slot])
+            self.reserve(slot, doubled if self.fits(slot, doubled) else have + len(tokens))
         out: list[list[LogitSummary]] = []
         for i in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[i:i + PREFILL_CHUNK]
             chunk_targets = None if targets is None else targets[i:i + len(chunk)]
             want_logits = chunk_targets is not None or i + len(chunk) == len(tokens)
-            step = Step.of(self.n_cached, len(chunk), params, recent, chunk_targets, want_logits)
-            out += await self.compute.run(self._forward(chunk, step))
-            self.context += chunk
+            [summaries] = await self.step([SeqInput(slot, chunk, params, recent, chunk_targets, want_logits)])
+            out += summaries
         return out
 
     async def warm_up(self) -> None:
@@ -126,14 +245,6 @@ class Engine:
         counted as the first prompt's time."""
         await self.feed([0], SamplingParams(temperature=0.0))
         self.rewind(0)
-
-    @property
-    def n_cached(self) -> int:
-        return len(self.context)
-
-    def rewind(self, n_tokens: int) -> None:
-        """Forget the context after its first n_tokens (the cache is overwritten from there)."""
-        del self.context[n_tokens:]
 
     async def on_request(self) -> None:
         """Called before each generation (a cluster may re-admit workers that came back)."""
@@ -145,7 +256,8 @@ class Engine:
         return [{"node": "root", "address": None, "up": True, "rank": 0, "share": 1.0, "stats": None}]
 
     async def _forward(self, tokens: list[int], step: Step) -> list[list[LogitSummary]]:
-        """Run `step` on `tokens`: per position whose logits it asks for, one summary per node."""
+        """Run `step` on `tokens`: per position whose logits it asks for (sequence after
+        sequence), one summary per node."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -155,16 +267,18 @@ class Engine:
 class LocalEngine(Engine):
     """The whole model in this process: one shard holding everything."""
 
-    def __init__(self, model: GGUFModel, ctx_size: int, sync: SyncConfig = SyncConfig()):
-        super().__init__()
+    def __init__(self, model: GGUFModel, ctx_size: int, sync: SyncConfig = SyncConfig(), slots: int = 1,
+                 kv_budget: int | None = None):
+        super().__init__(slots, kv_budget)
         self.config = model.config
+        self._set_budget(ctx_size)
         self.sync = sync = sync.alone()
         self.embedding: Matrix = model.matrix("token_embd.weight")
         shard = Plan.single(self.config).shards[0]
         # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results;
         # either mode is the 1-node result on one node
         model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
-                           Reduce(wide=sync.dtype == "f64"))
+                           Reduce(wide=sync.dtype == "f64"), slots, self.kv_budget)
         self.model = model
         self.node = NodeStep(model, None, None)  # a node without a group: its sync points are no-ops
         self.ctx_size = model.ctx_size

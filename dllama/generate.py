@@ -64,86 +64,98 @@ def peak_rss_mb() -> float:
 
 
 class Generator:
-    """Generates on one engine. A request that extends what the KV cache holds (the previous
-    turn of a conversation) only computes the new tokens."""
+    """Generates on one engine, many requests at once: they share its steps (continuous
+    batching, batching.Batcher), each in its own KV cache slot. A request that extends what a
+    slot holds (the previous turn of a conversation) only computes the new tokens."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer):
+        from .batching import Batcher  # (which builds on this module's Stream)
+
+        if engine.batcher is None:  # one scheduler per engine, whoever generates on it
+            engine.batcher = Batcher(engine)
         self.engine = engine
         self.tokenizer = tokenizer
+        self.batcher = engine.batcher
 
     async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int,
                        stop: list[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
-        """Generate after `prompt`. Requests are served one at a time (they queue on the engine's
-        lock). Cancelling the caller (a client that went away) stops the generation between two
-        steps: a step in flight always completes, so every node stays in step."""
-        async with self.engine.lock:
-            return await self._generate(prompt, params, max_tokens, stop, on_text)
-
-    async def _generate(self, prompt, params, max_tokens, stop, on_text) -> Generation:
+        """Generate after `prompt`, alongside whatever else runs on the engine. Cancelling the
+        caller (a client that went away) frees its slot at the next step: a step in flight always
+        completes, so every node stays in step."""
         if not prompt:
             raise DllamaError("the prompt is empty")
         if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
-        try:
-            await self.engine.on_request()
-        except DllamaError as e:
-            return Generation("", [], len(prompt), "error", error=str(e))
-        reused = _common_prefix(self.engine.context, prompt)
-        reused = min(reused, len(prompt) - 1)  # at least one token must run to produce logits
-        self.engine.rewind(reused)
+        return await self.batcher.submit(Stream(prompt, params, max_tokens, stop, on_text, self.tokenizer))
 
-        out = Generation("", [], len(prompt), "length", prefill_tokens=len(prompt) - reused)
-        sampler = Sampler(params)
-        emitter = _StopEmitter(list(stop), on_text)
-        decoder = StreamDecoder(self.tokenizer)
+
+class Stream:
+    """One request as it generates: the tokens it still has to feed, its sampler, the text it has
+    streamed, and its Generation once done."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop, on_text,
+                 tokenizer: Tokenizer):
+        self.prompt, self.params, self.max_tokens = prompt, params, max_tokens
+        self.tokenizer = tokenizer
+        self.out = Generation("", [], len(prompt), "length")
+        self.sampler = Sampler(params)
+        self.emitter = _StopEmitter(list(stop), on_text)
+        self.decoder = StreamDecoder(tokenizer)
         # the recent tokens only matter (and only travel to the workers) with a repetition penalty
-        window = params.repeat_last_n if params.repeat_penalty != 1.0 else 0
-        t0 = time.perf_counter()
-        decode_t0, stats0 = None, None
-        try:
-            summaries = await _step(self.engine.feed(prompt[reused:], params, recent=_last(prompt, window)))
-            out.prefill_s = time.perf_counter() - t0
-            decode_t0, stats0 = time.perf_counter(), self.engine.stats.copy()
-            while len(out.tokens) < max_tokens:
-                token = sampler.pick(summaries[-1])
-                if self.tokenizer.is_eog(token):
-                    out.finish_reason = "stop"
-                    break
-                out.tokens.append(token)
-                if emitter.push(decoder.feed(token)):
-                    out.finish_reason = "stop"
-                    break
-                if len(out.tokens) == max_tokens or self.engine.n_cached >= self.engine.ctx_size:
-                    break  # done, or the token has no room in the KV cache
-                recent = _last(self.engine.context, window - 1) + [token] if window else []
-                summaries = await _step(self.engine.feed([token], params, recent=recent))
-                out.decode_steps += 1
-        except DllamaError as e:
-            out.finish_reason, out.error = "error", str(e)
-            self.engine.rewind(0)  # the cache state is unknown after a failure
-        if decode_t0 is not None:
-            out.decode_s = time.perf_counter() - decode_t0
-            out.decode_stats = self.engine.stats.copy() - stats0
-        if out.finish_reason != "stop":
-            emitter.push(decoder.flush())
-        emitter.close()
-        out.text = emitter.text
-        return out
+        self.window = params.repeat_last_n if params.repeat_penalty != 1.0 else 0
+        self.slot: int | None = None
+        self.pending: list[int] = []  # what the next steps feed: the prompt's rest, then the last token
+        self.decoding = False  # past the prompt
+        self.cancelled = False  # the caller went away
+        self.done = asyncio.get_running_loop().create_future()
+        self.t0 = 0.0
+        self.decode_t0 = 0.0
+        self.stats0: StepStats | None = None
 
+    def start(self, slot: int, reused: int) -> None:
+        """Admitted into `slot`, whose cache holds the prompt's first `reused` tokens."""
+        self.slot, self.pending = slot, self.prompt[reused:]
+        self.out.prefill_tokens = len(self.pending)
+        self.t0 = time.perf_counter()
 
-async def _step(feed):
-    """Await one engine step so that cancelling the caller cannot cut it in half: the step runs
-    to its end (its nodes all finish it), then the cancellation is raised here."""
-    task = asyncio.ensure_future(feed)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if not task.done():
-            try:
-                await task
-            except Exception:
-                pass
-        raise
+    def recent(self, context: list[int], fed: int) -> list[int]:
+        """The tokens the repetition penalty looks back on at the last of the next `fed` pending
+        tokens, which follow `context`."""
+        return _last(context + self.pending[:fed], self.window) if self.window else []
+
+    def take(self, summaries, context_full: bool, stats: StepStats) -> bool:
+        """The summaries (one per node) of the last position fed are in: sample. True when done."""
+        if not self.decoding:
+            self.decoding = True
+            self.out.prefill_s = time.perf_counter() - self.t0
+            self.decode_t0, self.stats0 = time.perf_counter(), stats.copy()
+        else:
+            self.out.decode_steps += 1
+        token = self.sampler.pick(summaries)
+        if self.tokenizer.is_eog(token):
+            return self.finish(stats, "stop")
+        self.out.tokens.append(token)
+        if self.emitter.push(self.decoder.feed(token)):
+            return self.finish(stats, "stop")
+        if len(self.out.tokens) == self.max_tokens or context_full:
+            return self.finish(stats, "length")  # done, or the token has no room in the KV cache
+        self.pending = [token]
+        return False
+
+    def finish(self, stats: StepStats, reason: str, error: str | None = None) -> bool:
+        """Done (a failure keeps what was produced): the Generation goes to the caller."""
+        out = self.out
+        out.finish_reason, out.error = reason, error
+        if self.stats0 is not None:
+            out.decode_s = time.perf_counter() - self.decode_t0
+            out.decode_stats = stats.copy() - self.stats0
+        if reason != "stop":
+            self.emitter.push(self.decoder.flush())
+        self.emitter.close()
+        out.text = self.emitter.text
+        if not self.done.done():
+            self.done.set_result(out)
+        return True
 
 
 def _last(tokens: list[int], n: int) -> list[int]:

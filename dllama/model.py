@@ -9,7 +9,7 @@ or by all-gathers: see projection.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from .kernels.activations import Activations
 from .kernels.attention import attention
 from .kernels.ops import gelu_mul, rmsnorm, rope, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
-from .plan import Shard, cache_length
+from .kv_cache import KVCache, round_capacity
+from .plan import Shard
 from .quant import FORMATS
 from .projection import ALONE, Collectives, Gather, Reduce
 from .weights import Experts, Matrix
@@ -173,42 +174,53 @@ def _head_columns(wo: Matrix, start: int, stop: int, shard: Shard) -> Matrix:
                           "use --sync-mode gather (rows), or --weights that give it whole blocks") from None
 
 
+class Span(NamedTuple):
+    """A sequence's tokens in a forward pass: n tokens at positions start.. of the sequence in `slot`."""
+
+    slot: int
+    start: int
+    n: int
+
+
 class ShardModel:
-    """A node's slice of the transformer, with the KV cache of its heads.
+    """A node's slice of the transformer, with the KV caches of its heads (one per sequence slot).
 
     projection: how the output projections are split and made whole (projection.Reduce, the
-    default, or projection.Gather); it must match how the weights were cut (shard_tensors)."""
+    default, or projection.Gather); it must match how the weights were cut (shard_tensors).
+    slots: sequences that may decode together; kv_budget: positions their caches may hold in all
+    (default: every slot a whole context)."""
 
     def __init__(self, config: ModelConfig, shard: Shard, weights: ShardWeights, ctx_size: int,
-                 projection: Reduce | Gather = Reduce()):
+                 projection: Reduce | Gather = Reduce(), slots: int = 1, kv_budget: int | None = None):
         self.config, self.shard, self.weights, self.ctx_size = config, shard, weights, ctx_size
         self.projection = projection
         g = config.group_size
         self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
-        # f16 like llama.cpp's default cache, V stored transposed (as llama.cpp does without flash
-        # attention) so each output dimension is one contiguous dot product. The length is padded
-        # to 32, the attention kernel's step; np.zeros pages are only committed when written.
-        cache_len = cache_length(ctx_size)
-        self.k_cache = [np.zeros((shard.n_kv_heads, cache_len, config.head_dim), np.float16) for _ in weights.layers]
-        self.v_cache = [np.zeros((shard.n_kv_heads, config.head_dim, cache_len), np.float16) for _ in weights.layers]
+        budget = round_capacity(ctx_size) * slots if kv_budget is None else kv_budget
+        self.kv = KVCache(config, shard.n_kv_heads, slots, ctx_size, budget)
 
-    async def forward(self, x: np.ndarray, start: int, comm: Collectives = ALONE) -> np.ndarray:
-        """Run tokens at positions start..start+T-1 (x: their embeddings, (T, dim)) through every
-        layer, filling the KV cache. Returns the final residual stream (T, dim), the same on every
-        node. Every kernel sums a token's values in one order whatever T is, so a token's result
-        does not depend on how the tokens were split into forward passes."""
+    async def forward(self, x: np.ndarray, spans: list[Span], comm: Collectives = ALONE) -> np.ndarray:
+        """Run tokens through every layer, filling the KV caches: x (T, dim) holds the embeddings of
+        every span's tokens, one span after another (each span a sequence, its cache in its slot).
+        Returns the final residual stream (T, dim), the same on every node. Every kernel sums a
+        token's values in one order whatever T is, so a token's result does not depend on how the
+        tokens were split into forward passes, nor on the other sequences that share one."""
         cfg, hd = self.config, self.config.head_dim
         T = x.shape[0]
-        if start + T > self.ctx_size:
-            raise ContextOverflow(f"{start + T} tokens do not fit the context of {self.ctx_size}")
+        if sum(s.n for s in spans) != T:
+            raise ValueError(f"the spans hold {sum(s.n for s in spans)} tokens, x {T}")
+        for s in spans:
+            if s.start + s.n > self.kv.capacity(s.slot):
+                raise ContextOverflow(f"{s.start + s.n} tokens do not fit the {self.kv.capacity(s.slot)} positions "
+                                      f"of slot {s.slot}'s KV cache")
         x = np.array(x, dtype=np.float32)
         if cfg.embedding_scale != 1.0:  # Gemma
             x *= np.float32(cfg.embedding_scale)
-        pos = np.arange(start, start + T)
+        pos = np.concatenate([np.arange(s.start, s.start + s.n) for s in spans])
         nq, nkv = self.shard.n_q_heads, self.shard.n_kv_heads
         project = self.projection.project
         gate = gelu_mul if cfg.activation == "gelu" else silu_mul
-        for i, (w, k_cache, v_cache) in enumerate(zip(self.weights.layers, self.k_cache, self.v_cache)):
+        for i, w in enumerate(self.weights.layers):
             # attention over this node's heads
             h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
             if nq:
@@ -226,10 +238,16 @@ class ShardModel:
                 rope(k, pos, cfg.rope_dims, base, cfg.rope_neox, self.weights.rope_freq_factors, scaling)
                 if cfg.attn_q_scale:  # Gemma scales Q, not the scores
                     q *= np.float32(cfg.attn_q_scale)
-                k_cache[:, start:start + T] = k.transpose(1, 0, 2)
-                v_cache[:, :, start:start + T] = v.transpose(1, 2, 0)
-                att = attention(q, k_cache, v_cache, self.kv_of_head, start, 1.0 if cfg.attn_q_scale else None,
-                                cfg.sliding_window if cfg.is_local(i) else 0).reshape(T, nq * hd)
+                scale, window = 1.0 if cfg.attn_q_scale else None, cfg.sliding_window if cfg.is_local(i) else 0
+                att = np.empty((T, nq * hd), np.float32)
+                at = 0
+                for s in spans:  # each sequence against its own cache
+                    k_cache, v_cache = self.kv.layer(s.slot, i)
+                    k_cache[:, s.start:s.start + s.n] = k[at:at + s.n].transpose(1, 0, 2)
+                    v_cache[:, :, s.start:s.start + s.n] = v[at:at + s.n].transpose(1, 2, 0)
+                    att[at:at + s.n] = attention(q[at:at + s.n], k_cache, v_cache, self.kv_of_head, s.start, scale,
+                                                 window).reshape(s.n, nq * hd)
+                    at += s.n
             else:
                 att = np.zeros((T, 0), np.float32)
             out = await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads

@@ -12,7 +12,7 @@
 - Output rows (the model dimension) of the attention output and FFN down projections: the slice
   a node computes whole in gather mode (see model.py), where those two matrices are split by rows.
 Shares follow per-node weights (e.g. 2,1,1 or measured speeds) by the largest-remainder rule.
-What a shard then holds: each tensor's shape (`shard_tensor_shapes`) and its KV cache's bytes.
+What a shard then holds: each tensor's shape (`shard_tensor_shapes`) and its KV caches' bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from .config import ModelConfig
 from .errors import DllamaError
+from .kv_cache import bytes_per_position, round_capacity
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,23 @@ def shard_tensor_shapes(config: ModelConfig, shard: Shard, mode: str = "reduce")
     return shapes
 
 
-def cache_length(ctx_size: int) -> int:
-    """KV cache positions held for a context: padded to 32, the attention kernel's step."""
-    return -(-ctx_size // 32) * 32
+def kv_cache_bytes(config: ModelConfig, n_kv_heads: int, positions: int) -> int:
+    """RAM of a node's KV caches holding `positions` in all (f16 K and V of its KV heads, every
+    layer): what a plan must fit."""
+    return bytes_per_position(config, n_kv_heads) * round_capacity(positions)
 
 
-def kv_cache_bytes(config: ModelConfig, n_kv_heads: int, ctx_size: int) -> int:
-    """RAM of a node's KV cache (f16 K and V of its KV heads, every layer): what a plan must fit."""
-    return 2 * 2 * config.n_layers * n_kv_heads * config.head_dim * cache_length(ctx_size)
+KV_SHARE_OF_FREE_RAM = 0.5  # the default KV budget's share of the memory left after the weights
+
+
+def default_kv_budget(config: ModelConfig, ctx_size: int, slots: int, nodes: list[tuple[int | None, int, int]]) -> int:
+    """Positions the KV caches of `slots` sequences may hold by default: a whole context each, but
+    no more than half of what each node has left after its weights ((available bytes or None,
+    weight bytes, its KV heads) per node), and never less than one context."""
+    one = round_capacity(ctx_size)
+    budget = one * slots
+    for available, weights, n_kv_heads in nodes:
+        if available is not None and n_kv_heads:
+            room = max(available - weights, 0) * KV_SHARE_OF_FREE_RAM
+            budget = min(budget, int(room // bytes_per_position(config, n_kv_heads)) // 32 * 32)
+    return max(budget, one)

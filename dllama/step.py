@@ -1,7 +1,8 @@
 """One forward step, the unit every node runs, and how a node runs it.
 
-The root's engine cuts a prompt or an answer into steps; a step says which positions run, which
-logits come back and how to summarize them. The root sends it to each worker as the FORWARD message
+The root's engine cuts prompts and answers into steps; a step says which positions of which
+sequences run (several sequences share a step when they decode together, each with its KV cache
+in its own slot), which logits come back and how to summarize them. The root sends it to each worker as the FORWARD message
 (`to_wire` / `from_wire`, its embeddings following as raw activations) and runs its own shard of it
 with the same `NodeStep`; a node alone (LocalEngine) is a NodeStep without a group.
 """
@@ -13,7 +14,9 @@ from typing import Annotated, Literal, Optional
 import numpy as np
 from msgspec import Meta
 
-from .model import ShardModel
+from .errors import ContextOverflow
+from .kv_cache import MAX_SLOTS, POSITION_STEP, round_capacity
+from .model import ShardModel, Span
 from .sampling import MAX_CANDIDATES, LogitSummary, SamplingParams, summarize
 from .wire import InvalidMessage, WireStruct, finite
 
@@ -49,39 +52,103 @@ class StepSampling(WireStruct):
                               repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n)
 
 
-class Step(WireStruct):
-    """n tokens at positions start..; the logits of no position, the last one or all of them
-    ("none" | "last" | "all") summarized with `params` (and `recent` for the repetition penalty;
-    `targets`, for perplexity, the token that follows each position)."""
+class Seq(WireStruct):
+    """One sequence's part of a step: n tokens at positions start.. of the sequence in `slot`, whose
+    KV cache must hold `capacity` positions (resized first if it holds another number); the
+    logits of no position, the last one or all of them ("none" | "last" | "all") summarized with
+    `params` (and `recent` for the repetition penalty; `targets`, for perplexity, the token that
+    follows each position)."""
 
+    slot: Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
     start: Annotated[int, Meta(ge=0, lt=MAX_CTX)]
     n: Annotated[int, Meta(ge=1, le=MAX_STEP_TOKENS)]
+    capacity: Annotated[int, Meta(ge=POSITION_STEP, le=MAX_CTX, multiple_of=POSITION_STEP)]
     logits: Literal["none", "last", "all"]
     params: StepSampling
     recent: Annotated[list[TokenId], Meta(max_length=MAX_CTX)] = []
     targets: Optional[Annotated[list[TokenId], Meta(max_length=MAX_CTX)]] = None
 
     @classmethod
-    def of(cls, start: int, n: int, params: SamplingParams, recent=(), targets=None,
-           want_logits: bool = True) -> "Step":
+    def of(cls, slot: int, start: int, n: int, capacity: int, params: SamplingParams, recent=(), targets=None,
+           want_logits: bool = True) -> "Seq":
         logits = "none" if not want_logits else ("all" if targets is not None else "last")
-        return cls(start=start, n=n, logits=logits, params=StepSampling.of(params), recent=list(recent),
-                   targets=None if targets is None else list(targets))
+        return cls(slot=slot, start=start, n=n, capacity=capacity, logits=logits, params=StepSampling.of(params),
+                   recent=list(recent), targets=None if targets is None else list(targets))
 
-    def check(self, ctx_size: int, dim: int, vocab_size: int, max_activation_bytes: int, kind: str) -> "Step":
-        """The checks that need the session: the context, the vocabulary, the activations' frame."""
-        if self.start + self.n > ctx_size:
-            raise InvalidMessage(f"invalid {kind}: positions {self.start}..{self.start + self.n - 1} are outside the "
-                                 f"context of {ctx_size}")
+    @property
+    def span(self) -> Span:
+        return Span(self.slot, self.start, self.n)
+
+    @property
+    def n_summaries(self) -> int:
+        return {"none": 0, "last": 1, "all": self.n}[self.logits]
+
+
+class Copy(WireStruct):
+    """Slot dst, sized to `capacity`, takes the first n positions of slot src's cache: a prompt
+    that starts as another sequence does takes that start's keys and values instead of
+    computing them (the same tokens give the same bits)."""
+
+    src: Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
+    dst: Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
+    n: Annotated[int, Meta(ge=1, le=MAX_CTX)]
+    capacity: Annotated[int, Meta(ge=POSITION_STEP, le=MAX_CTX, multiple_of=POSITION_STEP)]
+
+
+class Step(WireStruct):
+    """One forward pass over the tokens of one or more sequences (their embeddings follow, one
+    sequence after another), after the caches of the slots in `free` are dropped and the
+    `copies` made."""
+
+    seqs: Annotated[list[Seq], Meta(min_length=1, max_length=MAX_SLOTS)]
+    free: Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]], Meta(max_length=MAX_SLOTS)] = []
+    copies: Annotated[list[Copy], Meta(max_length=MAX_SLOTS)] = []
+
+    @classmethod
+    def of(cls, start: int, n: int, params: SamplingParams, recent=(), targets=None, want_logits: bool = True,
+           slot: int = 0, capacity: int | None = None) -> "Step":
+        """A step of one sequence (by default in slot 0, with room for its tokens)."""
+        capacity = round_capacity(start + n) if capacity is None else capacity
+        return cls([Seq.of(slot, start, n, capacity, params, recent, targets, want_logits)])
+
+    @property
+    def n(self) -> int:
+        return sum(s.n for s in self.seqs)
+
+    def check(self, ctx_size: int, n_slots: int, dim: int, vocab_size: int, max_activation_bytes: int,
+              kind: str) -> "Step":
+        """The checks that need the session: the slots, the context, the vocabulary, the activations' frame."""
+        if self.n > MAX_STEP_TOKENS:
+            raise InvalidMessage(f"invalid {kind}: {self.n} tokens in one step, more than {MAX_STEP_TOKENS}")
         if self.n * dim * 4 > max_activation_bytes:
             raise InvalidMessage(f"invalid {kind}: n {self.n} tokens of dim {dim} exceed an activations frame")
-        for name, ids in (("recent", self.recent), ("targets", self.targets or ())):
-            if ids and max(ids) >= vocab_size:
-                raise InvalidMessage(f"invalid {kind}: {name} holds token id {max(ids)}, outside the vocabulary of "
-                                     f"{vocab_size}")
-        if self.targets is not None and (self.logits != "all" or len(self.targets) != self.n):
-            raise InvalidMessage(f"invalid {kind}: targets must come with logits 'all', one per token (got "
-                                 f"{len(self.targets)} for n {self.n}, logits {self.logits!r})")
+        slots = [s.slot for s in self.seqs]
+        if len(set(slots)) != len(slots):
+            raise InvalidMessage(f"invalid {kind}: a slot appears twice in seqs {slots}")
+        for i, seq in enumerate(self.seqs):
+            where = f"invalid {kind}: seqs[{i}]"
+            if seq.slot >= n_slots:
+                raise InvalidMessage(f"{where}: slot {seq.slot} is outside the session's {n_slots} slots")
+            if seq.capacity > round_capacity(ctx_size):
+                raise InvalidMessage(f"{where}: a capacity of {seq.capacity} exceeds the context of {ctx_size}")
+            if seq.start + seq.n > seq.capacity:
+                raise InvalidMessage(f"{where}: positions {seq.start}..{seq.start + seq.n - 1} are outside its "
+                                     f"capacity of {seq.capacity}")
+            for name, ids in (("recent", seq.recent), ("targets", seq.targets or ())):
+                if ids and max(ids) >= vocab_size:
+                    raise InvalidMessage(f"{where}: {name} holds token id {max(ids)}, outside the vocabulary of "
+                                         f"{vocab_size}")
+            if seq.targets is not None and (seq.logits != "all" or len(seq.targets) != seq.n):
+                raise InvalidMessage(f"{where}: targets must come with logits 'all', one per token (got "
+                                     f"{len(seq.targets)} for n {seq.n}, logits {seq.logits!r})")
+        if any(slot >= n_slots for slot in self.free):
+            raise InvalidMessage(f"invalid {kind}: free names a slot outside the session's {n_slots} slots")
+        for i, c in enumerate(self.copies):
+            where = f"invalid {kind}: copies[{i}]"
+            if c.src >= n_slots or c.dst >= n_slots or c.src == c.dst:
+                raise InvalidMessage(f"{where}: slots {c.src} -> {c.dst} are not two of the session's {n_slots}")
+            if not c.n <= c.capacity <= round_capacity(ctx_size):
+                raise InvalidMessage(f"{where}: {c.n} positions into a capacity of {c.capacity} (context {ctx_size})")
         return self
 
 
@@ -105,11 +172,35 @@ class NodeStep:
         return await self.group.all_gather(part, counts=counts)
 
     async def run(self, x: np.ndarray, step: Step) -> list[LogitSummary]:
-        """Forward the tokens whose embeddings are x (n, dim); this shard's summaries of the logits."""
-        h = await self.model.forward(x, step.start, self)
-        if step.logits == "none":
+        """Forward the tokens whose embeddings are x (n, dim), after sizing the slots' caches as the
+        step says; this shard's summaries of the logits, sequence after sequence."""
+        kv = self.model.kv
+        kv.check({**{c.dst: c.capacity for c in step.copies}, **{s.slot: s.capacity for s in step.seqs}},
+                 step.free)  # before anything changes
+        sources = {c.src for c in step.copies}
+        for c in step.copies:
+            if c.n > kv.capacity(c.src):
+                raise ContextOverflow(f"slot {c.src} holds {kv.capacity(c.src)} positions, not the {c.n} to copy")
+        for slot in step.free:  # those a copy reads go after it (each frees memory first where it can)
+            if slot not in sources:
+                kv.free(slot)
+        for c in step.copies:
+            kv.resize(c.dst, c.capacity)
+            kv.copy(c.src, c.dst, c.n)
+        for slot in step.free:
+            if slot in sources:
+                kv.free(slot)
+        for s in step.seqs:
+            kv.resize(s.slot, s.capacity)
+        h = await self.model.forward(x, [s.span for s in step.seqs], self)
+        rows, at = [], 0
+        for s in step.seqs:  # the rows whose logits the step asks for, and how to summarize each
+            at += s.n
+            picked = range(at - s.n, at) if s.logits == "all" else [at - 1] if s.logits == "last" else []
+            rows += [(i, s, None if s.targets is None else s.targets[j]) for j, i in enumerate(picked)]
+        if not rows:
             return []
-        rows = h if step.logits == "all" else h[-1:]
-        vocab_start, params = self.model.shard.vocab[0], step.params.params()
-        return [summarize(row, vocab_start, params, step.recent, None if step.targets is None else step.targets[i])
-                for i, row in enumerate(self.model.logits(rows))]
+        vocab_start = self.model.shard.vocab[0]
+        logits = self.model.logits(h[[i for i, _s, _t in rows]])
+        return [summarize(row, vocab_start, s.params.params(), s.recent, target)
+                for row, (_i, s, target) in zip(logits, rows)]

@@ -151,9 +151,10 @@ class HandRoot:
         return msgspec.structs.replace(setup, **changes)
 
     def forward(self, tokens: list[int], start: int = 0, **changes) -> tuple[Step, np.ndarray]:
-        """A valid FORWARD of tokens at start (greedy, last logits), and their embeddings."""
-        step = Step.of(start, len(tokens), GREEDY)
-        return msgspec.structs.replace(step, **changes), self.embedding.row_values(np.asarray(tokens))
+        """A valid FORWARD of tokens at start (one sequence in slot 0, greedy, last logits), and
+        their embeddings; `changes` to the sequence's fields."""
+        [seq] = Step.of(start, len(tokens), GREEDY).seqs
+        return Step([msgspec.structs.replace(seq, **changes)]), self.embedding.row_values(np.asarray(tokens))
 
     async def connect(self) -> None:
         self.conn = await connect(self.host, self.port, role="control", session=self.session, timeout=self.timeout,

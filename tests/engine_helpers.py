@@ -88,6 +88,16 @@ def shard_model(model, ctx: int):
     return ShardModel(model.config, shard, ShardWeights.from_gguf(model, shard), ctx)
 
 
+async def forward_at(m, x: np.ndarray, start: int, comm=None) -> np.ndarray:
+    """ShardModel.forward of one sequence (slot 0, its cache a whole context) at position start."""
+    from dllama.kv_cache import round_capacity
+    from dllama.model import Span
+    from dllama.projection import ALONE
+
+    m.kv.resize(0, round_capacity(m.ctx_size))
+    return await m.forward(x, [Span(0, start, x.shape[0])], ALONE if comm is None else comm)
+
+
 async def our_logits(model, tokens: list[int], chunk: int | None = None) -> np.ndarray:
     """Teacher-forced logits (len(tokens), vocab), computed `chunk` tokens per forward pass
     (all at once by default), so later chunks read the KV cache of earlier ones."""
@@ -97,7 +107,7 @@ async def our_logits(model, tokens: list[int], chunk: int | None = None) -> np.n
     out = []
     for start in range(0, len(tokens), chunk):
         ids = np.array(tokens[start:start + chunk])
-        h = await m.forward(embedding.row_values(ids), start)
+        h = await forward_at(m, embedding.row_values(ids), start)
         out.append(m.logits(h))
     return np.concatenate(out)
 

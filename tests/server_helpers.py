@@ -41,23 +41,23 @@ class ServerThread:
         return f"http://127.0.0.1:{bound_port(runner)}"
 
     @contextlib.contextmanager
-    def holding(self, lock: asyncio.Lock):
-        """Hold an asyncio lock of the server's loop (the engine's: as if a generation ran)."""
-        acquired = threading.Event()
-        release = self.run(_make_event())
+    def holding(self, engine):
+        """Hold the engine's forward steps until the block ends (as if a long one ran), letting
+        through as many as the test says (`gate.allow(n)`): requests are admitted into slots
+        between steps, then wait in the step."""
+        gate = self.run(_make_gate(self.loop))
+        step = engine.step
 
-        async def hold():
-            async with lock:
-                acquired.set()
-                await release.wait()
+        async def held_step(seqs):
+            await gate.wait()
+            return await step(seqs)
 
-        done = asyncio.run_coroutine_threadsafe(hold(), self.loop)
-        assert acquired.wait(30)
+        engine.step = held_step
         try:
-            yield
+            yield gate
         finally:
-            self.loop.call_soon_threadsafe(release.set)
-            done.result(30)
+            gate.allow(None)
+            del engine.step
 
     def close(self, *closers) -> None:
         for runner in self.runners:
@@ -69,8 +69,36 @@ class ServerThread:
         self.loop.close()
 
 
-async def _make_event() -> asyncio.Event:
-    return asyncio.Event()
+class StepGate:
+    """Lets through `allow(n)` steps (None: all from now on); its counts live on the server's loop."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.allowed = 0
+        self.open = False
+        self.changed = asyncio.Event()
+        self.passed = 0
+
+    def allow(self, n: int | None) -> None:
+        def change():
+            if n is None:
+                self.open = True
+            else:
+                self.allowed += n
+            self.changed.set()
+        self.loop.call_soon_threadsafe(change)
+
+    async def wait(self) -> None:
+        while not self.open and self.allowed == 0:
+            self.changed.clear()
+            await self.changed.wait()
+        if not self.open:
+            self.allowed -= 1
+        self.passed += 1
+
+
+async def _make_gate(loop) -> StepGate:
+    return StepGate(loop)
 
 
 def post(base_url: str, path: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict, dict]:

@@ -194,10 +194,12 @@ async def test_generation_stops_at_the_end_of_the_context(new_generator, tokeniz
     assert out.tokens == fresh.tokens
 
 
-def test_context_is_what_was_asked_and_the_cache_is_padded(gguf_model):
+async def test_context_is_what_was_asked_and_the_cache_is_padded(gguf_model):
     engine = LocalEngine(gguf_model, 30)
-    assert engine.ctx_size == 30
-    assert engine.model.k_cache[0].shape[1] == 32 and engine.model.v_cache[0].shape[2] == 32
+    assert engine.ctx_size == 30 and engine.kv_budget == 32
+    await engine.feed([1, 2, 3], GREEDY)
+    k, v = engine.model.kv.layer(0, 0)
+    assert k.shape[1] == 32 and v.shape[2] == 32
 
 
 # ------------------------------------------------------------------ end of generation

@@ -23,7 +23,7 @@ from dllama.quant import QK
 from dllama.step import NodeStep
 from dllama.sync import local_cluster
 
-from .engine_helpers import compare, our_logits, shard_model, text
+from .engine_helpers import compare, forward_at, our_logits, shard_model, text
 
 pytestmark = pytest.mark.usefixtures("one_compute_thread")
 
@@ -172,7 +172,7 @@ async def _run_nodes(shards, steps) -> list[np.ndarray]:
         nodes = [NodeStep(m, g, None) for m, g in zip(shards, groups)]
         hs = None
         for x, start in steps:
-            out = await asyncio.gather(*(node.model.forward(x, start, node) for node in nodes))
+            out = await asyncio.gather(*(forward_at(node.model, x, start, node) for node in nodes))
             hs = out if hs is None else [np.concatenate([a, b]) for a, b in zip(hs, out)]
     return hs
 
@@ -230,7 +230,8 @@ async def test_gather_mode_computes_the_whole_model_bit_for_bit(synthetic_model,
     shards = [ShardModel(cfg, s, ShardWeights.from_gguf(model, s, "gather"), 64, gather) for s in plan.shards]
     hs = await _run_nodes(shards, [(x[:20], 0)] + [(x[i:i + 1], i) for i in range(20, 24)])
     one = shard_model(model, 64)  # the 1-node model, the same forward passes
-    h = np.concatenate([await one.forward(x[:20], 0)] + [await one.forward(x[i:i + 1], i) for i in range(20, 24)])
+    h = np.concatenate([await forward_at(one, x[:20], 0)] + [await forward_at(one, x[i:i + 1], i)
+                                                             for i in range(20, 24)])
     for ours in hs:
         np.testing.assert_array_equal(ours, h)
     logits = np.concatenate([m.logits(hs[0]) for m in shards], axis=1)

@@ -344,7 +344,7 @@ def test_full_queue_is_429(server, model_name):
     url = server.thread.serve(app)
     body = {"model": model_name, "messages": QUESTION, "max_tokens": 2, "temperature": 0}
     with ThreadPoolExecutor(2) as pool:
-        with server.thread.holding(server.runtime.engine.lock):  # a generation is running
+        with server.thread.holding(server.runtime.engine):  # a generation is running
             admitted = [pool.submit(post, url, "/v1/chat/completions", body) for _ in range(2)]
             assert wait_until(lambda: app[SERVER].pending == 2, 30)
             m = metrics(url)
@@ -359,7 +359,7 @@ def test_full_queue_is_429(server, model_name):
 
 
 def test_client_that_leaves_the_queue_frees_its_place(server, model_name):
-    with server.thread.holding(server.runtime.engine.lock):
+    with server.thread.holding(server.runtime.engine):
         conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=60)
         conn.request("POST", "/v1/chat/completions", body=json.dumps(
             {"model": model_name, "messages": QUESTION, "max_tokens": 4}).encode())

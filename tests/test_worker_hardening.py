@@ -229,15 +229,27 @@ def test_invalid_steps_are_refused_and_the_worker_lives_on(worker, model, answer
     nan[1, 7] = np.nan
     inf = root.forward([5])[1].copy()
     inf[0, 0] = -np.inf
+    def seq(**fields):
+        return lambda b: b["seqs"][0].update(fields)
+
     cases = [  # (what the error names, a change to the FORWARD of 2 tokens, activations or None for theirs)
-        ("$.start", lambda b: b.update(start=-1), None),
-        ("outside the context", lambda b: b.update(start=root.ctx - 1), None),
-        ("$.n", lambda b: b.update(n=0), None),
-        ("$.logits", lambda b: b.update(logits="every"), None),
-        ("outside the vocabulary", lambda b: b.update(recent=[model.config.vocab_size]), None),
-        ("targets", lambda b: b.update(targets=[1, 2]), None),
-        ("$.params.temperature", lambda b: b["params"].update(temperature=math.nan), None),
-        ("$.params.top_p", lambda b: b["params"].update(top_p=2.0), None),
+        ("$.seqs[0].start", seq(start=-1), None),
+        ("outside its capacity", seq(start=root.ctx - 1), None),
+        ("exceeds the context", seq(capacity=root.ctx + 32), None),
+        ("$.seqs[0].capacity", seq(capacity=48), None),
+        ("outside the session's 1 slots", seq(slot=1), None),
+        ("$.seqs[0].n", seq(n=0), None),
+        ("$.seqs[0].logits", seq(logits="every"), None),
+        ("outside the vocabulary", seq(recent=[model.config.vocab_size]), None),
+        ("targets", seq(targets=[1, 2]), None),
+        ("$.seqs[0].params.temperature", lambda b: b["seqs"][0]["params"].update(temperature=math.nan), None),
+        ("$.seqs[0].params.top_p", lambda b: b["seqs"][0]["params"].update(top_p=2.0), None),
+        ("a slot appears twice", lambda b: b["seqs"].append(dict(b["seqs"][0], n=1)), None),
+        ("$.seqs", lambda b: b.update(seqs=[]), None),
+        ("free names a slot outside", lambda b: b.update(free=[3]), None),
+        ("not two of the session's", lambda b: b.update(copies=[{"src": 0, "dst": 0, "n": 1, "capacity": 32}]), None),
+        ("not two of the session's", lambda b: b.update(copies=[{"src": 0, "dst": 1, "n": 1, "capacity": 32}]), None),
+        ("$.copies[0].n", lambda b: b.update(copies=[{"src": 0, "dst": 1, "n": 0, "capacity": 32}]), None),
         ("not every value is finite", lambda b: None, nan),
         ("not every value is finite", lambda b: None, inf),
     ]
@@ -500,7 +512,8 @@ def test_whatever_a_user_may_ask_for_the_root_sends_a_valid_step():
     from dllama.sampling import SamplingParams
 
     step = Step.of(0, PREFILL_CHUNK, SamplingParams(temperature=0.7, top_k=3_000_000_000))
-    assert M.decode(P.FORWARD, Step, M.to_wire(step)).params.top_k == 256
-    too_long = M.to_wire(Step(start=0, n=PREFILL_CHUNK + 1, logits="last", params=step.params))
-    with pytest.raises(InvalidMessage, match=r"\$.n"):
+    assert M.decode(P.FORWARD, Step, M.to_wire(step)).seqs[0].params.top_k == 256
+    too_long = M.to_wire(Step.of(0, PREFILL_CHUNK, SamplingParams(temperature=0.7)))
+    too_long["seqs"][0]["n"] = PREFILL_CHUNK + 1
+    with pytest.raises(InvalidMessage, match=r"\$.seqs\[0\].n"):
         M.decode(P.FORWARD, Step, too_long)

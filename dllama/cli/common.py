@@ -153,6 +153,9 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
     cfg = model.config
     ctx = min(opts.get("ctx_size") or min(cfg.context_length, DEFAULT_CTX), cfg.context_length)
     tokenizer = Tokenizer(path, model.chat_template, cfg.bos_id, cfg.eos_id)
+    slots, kv_budget = opts.get("max_batch") or 1, opts.get("kv_budget")  # (serve's: the others run one sequence)
+    if kv_budget is not None and kv_budget < ctx:
+        fail(f"--kv-budget {kv_budget} cannot hold one context of {ctx} tokens (--ctx-size)")
     n_local = opts.get("local_workers") or 0
     threads = opts.get("threads")
     if n_local and threads is None:  # the root and its local workers share this machine's cores
@@ -173,7 +176,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
             engine = await ClusterEngine(
                 model, ctx, workers, sync=sync, weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
                 timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True),
-                browser=browser).start()  # the engine owns the browser from here
+                browser=browser, slots=slots, kv_budget=kv_budget).start()  # the engine owns the browser from here
         except BaseException:
             if browser is not None:
                 await browser.close()  # closing twice is harmless
@@ -181,11 +184,12 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
                 local.stop()
             raise
     else:
-        engine = LocalEngine(model, ctx, sync)
+        engine = LocalEngine(model, ctx, sync, slots, kv_budget)
     await engine.warm_up()
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
-             f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}; "
+             f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}"
+             + (f" (up to {slots} sequences at once, KV budget {engine.kv_budget} tokens); " if slots > 1 else "; ") +
              f"{engine.n_nodes} node(s) ({engine.sync.algo} sync, {engine.sync.mode}, {engine.sync.dtype}), "
              f"{threads} thread(s) each")
         choice = engine.sync_choice

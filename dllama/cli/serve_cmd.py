@@ -12,10 +12,12 @@ from dataclasses import replace
 import click
 from click.core import ParameterSource
 
+from ..kv_cache import MAX_SLOTS
 from .common import (cluster_options, info, model_options, open_runtime, require_credential_off_loopback, run_async,
                      sampling_options)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
+DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core machine (benchmarks/bench_serve.py)
 
 
 @click.command()
@@ -24,8 +26,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 @sampling_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
+@click.option("--max-batch", type=click.IntRange(1, MAX_SLOTS), default=DEFAULT_MAX_BATCH, show_default=True,
+              help="Requests generating at once: they share every forward step (continuous batching), each with "
+                   "its own KV cache.")
+@click.option("--kv-budget", type=click.IntRange(16), default=None, metavar="TOKENS",
+              help="Tokens the KV caches of all requests may hold (default: --max-batch x --ctx-size; on a cluster "
+                   "at most half of what any node has left after its weights). A request reserves its prompt + "
+                   "max_tokens; while the budget cannot hold that, it waits in the queue.")
 @click.option("--max-queue", type=click.IntRange(0), default=16, show_default=True,
-              help="Requests that may wait while one generates; more get HTTP 429.")
+              help="Requests that may wait for a free slot or KV budget; more get HTTP 429.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=2048, show_default=True,
               help="Largest max_tokens a request may ask for (HTTP 400 above it).")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
@@ -43,7 +52,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
               metavar="S", help="Answer 408 and close when a request body has not arrived in S seconds.")
 @click.option("--max-connections", type=click.IntRange(1), default=256, show_default=True,
               help="Open connections at most; more are answered 503 and closed at once.")
-def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, api_key, insecure, header_timeout,
+def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_body_bytes, model_name, api_key, insecure, header_timeout,
           body_timeout, max_connections, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions, completions, models,
     /health, /metrics) and a chat page at / (its panel polls /status). A request that omits a
@@ -63,7 +72,7 @@ def serve(host, port, max_queue, max_tokens_limit, max_body_bytes, model_name, a
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)
-    run_async(_serve(host, port, config, opts))
+    run_async(_serve(host, port, config, {**opts, "max_batch": max_batch, "kv_budget": kv_budget}))
 
 
 async def _serve(host, port, config, opts):
@@ -91,7 +100,8 @@ async def _serve(host, port, config, opts):
             return
         rt = loading.result()
         attach(app, rt)
-        info(f"dllama serve: ready; model id {config.model_name!r}, at most {config.max_queue} queued requests")
+        info(f"dllama serve: ready; model id {config.model_name!r}, {rt.engine.slots} requests at once, at most "
+             f"{config.max_queue} queued")
         await stopping
     finally:
         if not loading.done():

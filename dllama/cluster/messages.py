@@ -22,6 +22,7 @@ from msgspec import Meta
 from ..config import ModelConfig
 from ..plan import Shard, kv_cache_bytes, shard_tensor_shapes
 from ..quant import QK, QType
+from ..kv_cache import MAX_SLOTS, POSITION_STEP, round_capacity
 from ..step import MAX_CTX, Step, TokenId
 from ..sync import ALGO_NAMES
 from ..sync_config import GATHER_DTYPES, SYNC_DTYPES, SYNC_MODES, SyncConfig
@@ -154,6 +155,8 @@ class Setup(_Message):
     ctx_size: Annotated[int, Meta(ge=1, le=MAX_CTX)]
     manifest: list[TensorEntry]
     spin: Optional[Annotated[float, Meta(ge=0, le=1)]] = None
+    slots: Annotated[int, Meta(ge=1, le=MAX_SLOTS)] = 1  # sequences whose KV caches it keeps at once
+    kv_budget: Optional[Annotated[int, Meta(ge=POSITION_STEP, le=MAX_SLOTS * MAX_CTX)]] = None  # positions, all slots
 
     def __post_init__(self):
         if self.rank >= self.world:
@@ -166,6 +169,10 @@ class Setup(_Message):
             raise ValueError(f"sync_mode gather carries f32 or q80, not {self.sync_dtype}")
         if len(self.shards) != self.world:
             raise ValueError(f"shards has {len(self.shards)} entries for world {self.world}")
+        one = round_capacity(self.ctx_size)
+        if self.kv_budget is not None and not one <= self.kv_budget <= one * self.slots:
+            raise ValueError(f"kv_budget {self.kv_budget} is not between one context ({one}) and one per slot "
+                             f"({one * self.slots})")
         self._check_plan()
         self._check_manifest()
 
@@ -242,12 +249,17 @@ class Setup(_Message):
     def declared_bytes(self) -> int:
         """What this worker must hold: its slices and its KV cache."""
         return (sum(e.nbytes for e in self.manifest)
-                + kv_cache_bytes(self.config, self.shard.n_kv_heads, self.ctx_size))
+                + kv_cache_bytes(self.config, self.shard.n_kv_heads, self.kv_positions))
+
+    @property
+    def kv_positions(self) -> int:
+        """Positions the KV caches of all slots may hold."""
+        return round_capacity(self.ctx_size) * self.slots if self.kv_budget is None else self.kv_budget
 
 
 def check_forward(step: Step, setup: Setup) -> Step:
     """The checks of a FORWARD that need the session: the context, the vocabulary, the frame limit."""
-    return step.check(setup.ctx_size, setup.config.dim, setup.config.vocab_size, P.ACTIVATIONS.max_len,
+    return step.check(setup.ctx_size, setup.slots, setup.config.dim, setup.config.vocab_size, P.ACTIVATIONS.max_len,
                       P.FORWARD.name)
 
 

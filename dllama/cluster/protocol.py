@@ -5,13 +5,16 @@
                                      <-    PROBED {gmacs, mem_available, threads, version}
     ECHO {payload}                   ->    (--sync-mode auto: the root times the link, a few times)
                                      <-    ECHO {payload}          (the same bytes back)
-    SETUP {session, rank, world, addrs, algo, sync_dtype, sync_mode, config, shards, ctx_size, manifest}  ->
+    SETUP {session, rank, world, addrs, algo, sync_dtype, sync_mode, config, shards, ctx_size, manifest,
+           slots, kv_budget}  ->
                                      <-    NEED {names}            (what its slice cache lacks)
     TENSOR (raw, chunked) per needed tensor, in manifest order  ->
                                      <-    LOADED {}               (checksums verified)
     GO {}                            ->    (both join the sync group)
                                      <-    READY {rss_mb, load_s, cached}
-    FORWARD {start, n, logits, targets, params, recent} + ACTIVATIONS (raw, n x dim f32)  ->
+    FORWARD {seqs: [{slot, start, n, capacity, logits, targets, params, recent}], free, copies: [{src, dst, n,
+             capacity}]}
+      + ACTIVATIONS (raw, n x dim f32, the seqs' tokens one after another)  ->
                                      <-    RESULT {summaries, stats}   or FAILED {error}
     END {}                           ->    (session over; the worker waits for the next root)
 

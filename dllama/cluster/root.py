@@ -46,14 +46,15 @@ class ClusterEngine(Engine):
     def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *,
                  sync: SyncConfig = SyncConfig(), weights: list[float] | str | None = None,
                  secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
-                 recover: bool = True, browser=None):
-        super().__init__()
+                 recover: bool = True, browser=None, slots: int = 1, kv_budget: int | None = None):
+        super().__init__(slots, kv_budget)
         self.requested_sync = sync
         self.sync = sync  # settled per session (--sync-mode auto: from the measured links)
         self.sync_choice: dict | None = None  # what auto settled on, and why
         self.model_file = model
         self.config = model.config
         self.ctx_size = ctx_size
+        self._set_budget(ctx_size)
         self.addresses = [tuple(a) for a in workers]  # as configured; active ones are in self.workers
         self.workers: list[WorkerLink] = []
         self.requested_weights = weights
@@ -173,7 +174,8 @@ class ClusterEngine(Engine):
                   disable=not self.progress or total == 0) as bar:
             await asyncio.gather(*(w.set_up(self._setup(w, m), m, bar) for w, m in zip(self.workers, manifests)))
         model = ShardModel(self.config, own, ShardWeights.from_gguf(self.model_file, own, self.sync.mode),
-                           self.ctx_size, self.sync.projection(self.plan.shards, self.config.head_dim))
+                           self.ctx_size, self.sync.projection(self.plan.shards, self.config.head_dim), self.slots,
+                           self.kv_budget)
         self.group = None
         if self.workers:
             for w in self.workers:
@@ -205,19 +207,24 @@ class ClusterEngine(Engine):
 
     def _check_memory(self) -> None:
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
-        for (name, available), shard in zip(nodes, self.plan.shards):
-            weights = sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode))
-            kv_cache = kv_cache_bytes(self.config, shard.n_kv_heads, self.ctx_size)
-            if available is not None and weights + kv_cache > available:
-                raise DllamaError(f"model too big for the plan: {name} needs {(weights + kv_cache) / 1e6:.0f} MB "
+        weights = [sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode))
+                   for shard in self.plan.shards]
+        if not self.kv_budget_given and self.kv_used == 0:  # (never under sequences' reservations)
+            self._set_budget(self.ctx_size, [(available, w, shard.n_kv_heads) for (_name, available), w, shard
+                                             in zip(nodes, weights, self.plan.shards)])
+        for (name, available), shard, held in zip(nodes, self.plan.shards, weights):
+            kv_cache = kv_cache_bytes(self.config, shard.n_kv_heads, self.kv_budget)
+            if available is not None and held + kv_cache > available:
+                raise DllamaError(f"model too big for the plan: {name} needs {(held + kv_cache) / 1e6:.0f} MB "
                                   f"for its slice and KV cache but has {available / 1e6:.0f} MB available "
-                                  "(add workers, shift --weights, or lower --ctx-size)")
+                                  "(add workers, shift --weights, or lower --ctx-size or --kv-budget)")
 
     def _setup(self, w: WorkerLink, manifest) -> M.Setup:
         return M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,
                        addrs=[None] + [x.address for x in self.workers], algo=self.sync.algo,
                        sync_dtype=self.sync.dtype, sync_mode=self.sync.mode, config=M.WireConfig.of(self.config),
                        shards=[M.WireShard.of(s) for s in self.plan.shards], ctx_size=self.ctx_size,
+                       slots=self.slots, kv_budget=self.kv_budget,
                        manifest=[e for e, _ in manifest], spin=self.spin)
 
     async def _teardown(self, reason: str | None = None) -> None:
@@ -237,29 +244,41 @@ class ClusterEngine(Engine):
         log.warning("%s", message)
         self.events.append(message)
 
-    async def _recover(self, error: Exception, start: int) -> None:
-        """Re-plan onto the nodes that still answer and rebuild the first `start` tokens of the
-        KV cache, so the failed step can run again."""
+    async def _recover(self, error: Exception, step: Step | None = None) -> None:
+        """Re-plan onto the nodes that still answer and rebuild the running sequences' KV caches
+        (those of `step` among them), so the failed step can run again."""
         t0 = time.perf_counter()
         self._event(f"{error}; re-planning onto the nodes that still answer")
         await self._teardown(reason=f"the root re-plans after: {error}")
         await self._build([w.address for w in self.workers], tolerate_missing=True, keep_sync=True)
-        # the kernels are batch-invariant: any chunking rebuilds the cache that was lost, bit for bit
-        position = 0
-        while position < start:
-            n = min(PREFILL_CHUNK, start - position)
-            await self._step(self.context[position:position + n],
-                             Step.of(position, n, SamplingParams(temperature=0.0), want_logits=False))
-            position += n
+        # the failed step's sequences, and the slots it copies from, whether running or not
+        keep = set() if step is None else {s.slot for s in step.seqs} | {c.src for c in step.copies}
+        replayed = await self._replay(keep)
         self._event(f"recovered in {time.perf_counter() - t0:.1f} s: {self.n_nodes} node(s), "
-                    f"{position} token(s) of context replayed")
+                    f"{replayed} token(s) of context replayed")
+
+    async def _replay(self, keep: set[int] = frozenset()) -> int:
+        """Rebuild every running sequence's KV cache on a new session's nodes (idle slots kept for
+        reuse are forgotten instead); the tokens replayed. The kernels are batch-invariant: any
+        chunking rebuilds the caches that were lost, bit for bit."""
+        greedy, replayed = SamplingParams(temperature=0.0), 0
+        for slot, context in enumerate(self.contexts):
+            if self.in_use is not None and slot not in self.in_use and slot not in keep:
+                self.release(slot)
+                continue
+            for position in range(0, len(context), PREFILL_CHUNK):
+                n = min(PREFILL_CHUNK, len(context) - position)
+                await self._step(context[position:position + n], Step.of(
+                    position, n, greedy, want_logits=False, slot=slot, capacity=self.capacities[slot]))
+            replayed += len(context)
+        return replayed
 
     async def on_request(self) -> None:
         await self.compute.run(self._rejoin())
 
     async def _rejoin(self) -> None:
         """Before a request: configured workers that are missing may have come back, and (--workers
-        auto) new ones may have appeared; if any, re-plan with them (the next prompt rebuilds the cache)."""
+        auto) new ones may have appeared; if any, re-plan with them and replay every sequence's cache."""
         fresh = self._add_discovered()
         present = {w.address for w in self.workers}
         missing = [a for a in self.addresses if a not in present and a not in fresh]
@@ -274,8 +293,12 @@ class ClusterEngine(Engine):
         await self._teardown()
         await self._build([a for a in self.addresses if a in present or a in back or a in fresh],
                           tolerate_missing=True)
-        self.rewind(0)
-        self._event(f"re-planned onto {self.n_nodes} node(s)")
+        try:
+            replayed = await self._replay()  # other sequences may be mid-answer
+        except NetworkError as e:  # a node that came back and fell again: re-plan without it
+            await self._recover(e)
+            return
+        self._event(f"re-planned onto {self.n_nodes} node(s), {replayed} token(s) of context replayed")
 
     # ------------------------------------------------------------------ steps
 
@@ -285,7 +308,7 @@ class ClusterEngine(Engine):
         while True:
             try:
                 if failure is not None:
-                    await self._recover(failure, step.start)
+                    await self._recover(failure, step)
                 return await self._step(tokens, step)
             except NetworkError as e:
                 attempts -= 1

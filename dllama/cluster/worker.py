@@ -230,7 +230,7 @@ class _Session:
             self.worker.cache.store(e, raw)
             tensors[e.name] = from_bytes(e, raw, e.name in vectors)
         weights = ShardWeights.from_tensors(tensors)
-        model = ShardModel(config, shard, weights, setup.ctx_size, projection)
+        model = ShardModel(config, shard, weights, setup.ctx_size, projection, setup.slots, setup.kv_positions)
         log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(setup.manifest),
                  len(setup.manifest) - len(missing), weights.nbytes / 1e6)
         return model, len(setup.manifest) - len(missing)

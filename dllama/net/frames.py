@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO
+PROTOCOL_VERSION = 5  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
+# 5: steps of several sequences, each with its KV cache slot (continuous batching)
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16

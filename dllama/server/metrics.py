@@ -79,7 +79,8 @@ class Metrics:
             self.last = report
 
     def families(self, *, ready: bool, queue_length: int, running: int, nodes: list[dict], info: dict,
-                 ctx_size: int, kv_cached: int, events: int, connections=None) -> list[Family]:
+                 ctx_size: int, kv_cached: int, kv_reserved: int, kv_budget: int, events: int, batcher=None,
+                 connections=None) -> list[Family]:
         requests = Family("dllama_requests_total", "counter", "HTTP requests answered, by endpoint and status "
                           "(499: the client went away first).")
         for (endpoint, status), n in sorted(self.requests.items()):
@@ -111,10 +112,23 @@ class Metrics:
             Family("dllama_bytes_per_token", "gauge", "Sync bytes per generated token on the root in the last "
                    "generation.").add(per_token.get("sent", 0.0), direction="sent")
             .add(per_token.get("recv", 0.0), direction="recv"),
-            Family("dllama_queue_length", "gauge", "Requests waiting for the engine.").add(queue_length),
-            Family("dllama_requests_running", "gauge", "Requests generating now.").add(running),
-            Family("dllama_context_tokens", "gauge", "Context size (KV cache length) in tokens.").add(ctx_size),
-            Family("dllama_kv_cache_tokens", "gauge", "Tokens in the KV cache now.").add(kv_cached),
+            Family("dllama_queue_length", "gauge", "Requests waiting for a slot or KV budget.").add(queue_length),
+            Family("dllama_requests_running", "gauge", "Requests generating now (sequences in the batch).")
+            .add(running),
+            Family("dllama_batch_steps_total", "counter", "Forward steps run.").add(0 if batcher is None else batcher.steps),
+            Family("dllama_batch_sequences_total", "counter", "Sequences summed over steps (divided by "
+                   "dllama_batch_steps_total: the mean batch size).").add(0 if batcher is None else batcher.step_sequences),
+            Family("dllama_batch_tokens_total", "counter", "Tokens summed over steps (prompt chunks and decoded "
+                   "tokens).").add(0 if batcher is None else batcher.step_tokens),
+            Family("dllama_batch_size", "gauge", "Sequences in the last step.").add(0 if batcher is None else
+                                                                                    batcher.last_batch),
+            Family("dllama_context_tokens", "gauge", "Context size (one sequence's KV cache) in tokens.").add(ctx_size),
+            Family("dllama_kv_cache_tokens", "gauge", "Tokens in the KV caches now (all slots, idle ones kept for "
+                   "reuse included).").add(kv_cached),
+            Family("dllama_kv_cache_reserved_tokens", "gauge", "Positions the KV caches hold (reserved for prompts "
+                   "and max_tokens).").add(kv_reserved),
+            Family("dllama_kv_cache_budget_tokens", "gauge", "Positions the KV caches may hold in all (--kv-budget).")
+            .add(kv_budget),
             Family("dllama_nodes", "gauge", "Nodes taking part now (the root included).")
             .add(sum(n["up"] for n in nodes)),
             Family("dllama_cluster_events_total", "counter", "Node failures and recoveries the engine went through.")

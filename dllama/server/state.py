@@ -53,7 +53,7 @@ def _error_event(e: Exception) -> dict:
 @dataclass
 class ServerConfig:
     model_name: str | None = None  # None: the GGUF file's stem
-    max_queue: int = 16  # requests that may wait while one generates
+    max_queue: int = 16  # requests that may wait for a slot (or KV budget) while others generate
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask (and the default's cap)
     max_body_bytes: int = 1 << 20
     sampling: SamplingParams = field(default_factory=lambda: replace(OPENAI_SAMPLING))  # for omitted fields
@@ -70,7 +70,7 @@ class ServerState:
         self.runtime = None  # None while the model loads
         self.generator: Generator | None = None
         self.metrics = prom.Metrics()
-        self.pending = 0  # admitted generation requests: the running one and those waiting
+        self.pending = 0  # generation requests taken: those generating and those waiting
         self.last_error: str | None = None  # of the last generation, cleared by the next success
         self.connections = ConnectionCounts()  # kept by the connection guard of start_server
         # the key's digest: compared with the digest of what a request sends, so the comparison
@@ -96,11 +96,15 @@ class ServerState:
             return []
         return [{**n, "up": bool(n.get("up"))} for n in self.engine.node_status()]
 
+    @property
+    def batcher(self):
+        return None if self.generator is None else self.generator.batcher
+
     def running(self) -> int:
-        return int(self.pending > 0 and self.engine is not None and self.engine.lock.locked())
+        return 0 if self.batcher is None else self.batcher.running
 
     def queue_length(self) -> int:
-        return self.pending - self.running()
+        return 0 if self.batcher is None else self.batcher.queued
 
     def health(self) -> tuple[int, dict]:
         if self.engine is None:
@@ -115,7 +119,8 @@ class ServerState:
                 "nodes": sum(n["up"] for n in nodes),
                 "node_status": {n["node"]: "up" if n["up"] else "down" for n in nodes},
                 "sync": engine.sync.algo, "sync_dtype": engine.sync.dtype, "sync_mode": engine.sync.mode,
-                "context": engine.ctx_size,
+                "context": engine.ctx_size, "max_batch": engine.slots,
+                "kv_budget": engine.kv_budget, "kv_used": engine.kv_used,
                 "queue_length": self.queue_length(), "running": self.running()}
         if problem:
             body["error"] = problem
@@ -190,7 +195,7 @@ class ServerState:
 
     async def generate(self, request: web.Request, req: GenerationRequest, ids: list[int]) -> web.StreamResponse:
         config = self.config
-        if self.pending > config.max_queue:  # the running request + max_queue waiting ones
+        if self.pending >= self.runtime.engine.slots + config.max_queue:  # every slot taken, the queue full
             raise APIError(429, f"The server is busy: {self.queue_length()} requests are waiting (at most "
                                 f"{config.max_queue}). Retry later.", type="rate_limit_exceeded", code="queue_full")
         ctx = self.runtime.engine.ctx_size
@@ -285,8 +290,10 @@ class ServerState:
         families = self.metrics.families(
             ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=0 if engine is None else len(engine.events),
-            ctx_size=0 if engine is None else engine.ctx_size, kv_cached=0 if engine is None else engine.n_cached,
-            connections=self.connections)
+            ctx_size=0 if engine is None else engine.ctx_size,
+            kv_cached=0 if engine is None else sum(len(c) for c in engine.contexts),
+            kv_reserved=0 if engine is None else engine.kv_used, kv_budget=0 if engine is None else engine.kv_budget,
+            batcher=self.batcher, connections=self.connections)
         return prom.render(families)
 
     # ------------------------------------------------------------------ authentication

@@ -1,0 +1,196 @@
+"""Continuous batching: every request in flight shares the engine's forward steps.
+
+On a CPU a decode step is bound by reading the weights, and on a cluster each layer's two syncs
+cost about the same for one token as for many: B sequences in one step cost little more than one.
+The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache slot of its own:
+
+- A request is admitted when a slot is idle and the KV budget can hold its prompt and its
+  max_tokens; until then it waits, in order of arrival (the server bounds that queue). It takes
+  the idle slot whose cache already holds the longest start of its prompt (the earlier turn of a
+  conversation), else an empty one, else the least recently used; idle slots are evicted, least
+  recently used first, when the budget needs their room. If another slot, running or idle, holds
+  a longer start of the prompt (the same system prompt, say), its keys and values are copied
+  into the new slot on every node instead of computed: the same tokens give the same bits.
+- Each step carries the next token of every decoding sequence, then prompt tokens of the
+  sequences still reading theirs, in order of arrival: while any sequence decodes at most
+  `prefill_chunk` of them (64 by default), so a long prompt delays the running streams by one
+  short chunk per step instead of freezing them; with nothing decoding, up to a step's limit (256).
+- A request leaves when done; one whose caller went away leaves at the next step (the step in
+  flight completes: every node stays in step). Its slot stays idle with its tokens for reuse.
+
+Every kernel sums a token's values in one order whatever else the step holds, so each request
+gets exactly the tokens it gets alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from .engine import Engine, SeqInput
+from .errors import DllamaError
+from .generate import Generation, Stream, _common_prefix
+from .kv_cache import round_capacity
+from .step import MAX_STEP_TOKENS
+
+log = logging.getLogger("dllama.batching")
+
+PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode
+
+
+class Batcher:
+    def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK_WHILE_DECODING):
+        self.engine = engine
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Stream] = deque()
+        self.active: list[Stream] = []  # admitted, in order of arrival
+        self.last_used = [0.0] * engine.slots  # when each slot's sequence last ran (eviction order)
+        engine.in_use = set()  # a recovery replays only these slots' caches
+        self._task: asyncio.Task | None = None
+        # figures for /metrics
+        self.steps = 0
+        self.step_sequences = 0  # summed over steps: sequences per step = step_sequences / steps
+        self.step_tokens = 0
+        self.last_batch = 0  # sequences in the last step
+
+    @property
+    def queued(self) -> int:
+        return sum(not s.cancelled for s in self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    async def submit(self, stream: Stream) -> Generation:
+        """Queue a request; its Generation once done. Cancelling the caller drops it at the next step."""
+        self.waiting.append(stream)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        try:
+            return await asyncio.shield(stream.done)
+        except asyncio.CancelledError:
+            stream.cancelled = True
+            raise
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while self.waiting or self.active:
+            await self._admit()
+            for s in [s for s in self.active if s.cancelled]:
+                self._leave(s)
+            if not self.active:
+                await asyncio.sleep(0)  # (only what _admit failed or dropped: the loop ends or admits next)
+                continue
+            streams, seqs, fed = self._plan()
+            engine = self.engine
+            try:
+                results = await engine.step(seqs)
+            except Exception as e:  # the step failed for all of them: each keeps what it produced
+                if not isinstance(e, DllamaError):
+                    log.exception("a batched step failed")
+                for s in streams:
+                    s.finish(engine.stats, "error", str(e) if isinstance(e, DllamaError) else
+                             f"internal error: {type(e).__name__}: {e}")
+                    self._leave(s)
+                    engine.release(s.slot)  # its cache's state is unknown after a failure
+                continue
+            self.steps += 1
+            self.step_sequences += len(seqs)
+            self.step_tokens += sum(len(q.tokens) for q in seqs)
+            self.last_batch = len(seqs)
+            for s, q, n, summaries in zip(streams, seqs, fed, results):
+                del s.pending[:n]
+                self.last_used[s.slot] = time.monotonic()
+                if q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
+                                            engine.stats):
+                    self._leave(s)
+
+    def _leave(self, s: Stream) -> None:
+        self.active.remove(s)
+        self.engine.in_use.discard(s.slot)
+        self.last_used[s.slot] = time.monotonic()
+
+    def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
+        """This step's sequences: every decoding one's next token, then prompt chunks."""
+        contexts = self.engine.contexts
+        decoding = [s for s in self.active if s.decoding]
+        streams, seqs, fed = [], [], []
+        for s in decoding:
+            streams.append(s)
+            seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
+            fed.append(1)
+        room = MAX_STEP_TOKENS - len(seqs)
+        prefill = min(room, self.prefill_chunk) if decoding else room
+        for s in self.active:
+            if s.decoding or prefill <= 0:
+                continue
+            n = min(len(s.pending), prefill)
+            last = n == len(s.pending)
+            streams.append(s)
+            seqs.append(SeqInput(s.slot, s.pending[:n], s.params, s.recent(contexts[s.slot], n) if last else [],
+                                 want_logits=last))
+            fed.append(n)
+            prefill -= n
+        return streams, seqs, fed
+
+    # ------------------------------------------------------------------ admission
+
+    async def _admit(self) -> None:
+        admitted = []
+        while self.waiting and len(self.active) < self.engine.slots:
+            s = self.waiting[0]
+            if s.cancelled:
+                self.waiting.popleft()
+                continue
+            if not self._place(s):
+                break  # the KV budget is held by running sequences: wait for one to finish
+            self.waiting.popleft()
+            self.active.append(s)
+            self.engine.in_use.add(s.slot)
+            admitted.append(s)
+        if admitted:
+            try:  # a cluster may re-admit workers that came back (between steps, never during one)
+                await self.engine.on_request()
+            except DllamaError as e:
+                for s in admitted:
+                    s.finish(self.engine.stats, "error", str(e))
+                    self._leave(s)
+
+    def _place(self, s: Stream) -> bool:
+        """Give the request an idle slot with room for its prompt and max_tokens, if the budget allows."""
+        engine = self.engine
+        busy = {a.slot for a in self.active}
+        idle = [i for i in range(engine.slots) if i not in busy]
+        if not idle:
+            return False
+        # at least one prompt token must run, to produce logits
+        reused = {i: min(_common_prefix(engine.contexts[i], s.prompt), len(s.prompt) - 1) for i in idle}
+        slot = max(idle, key=lambda i: (reused[i], engine.capacities[i] == 0, -self.last_used[i]))
+        need = len(s.prompt) + s.max_tokens
+        held_by_running = sum(engine.capacities[a.slot] for a in self.active)
+        if held_by_running + round_capacity(min(need, engine.ctx_size)) > engine.kv_budget:
+            return False
+        sources = engine.copy_sources
+        for other in sorted((i for i in idle if i != slot and i not in sources), key=lambda i: self.last_used[i]):
+            if engine.fits(slot, need):
+                break
+            if engine.capacities[other]:
+                engine.release(other)
+        if not engine.fits(slot, need):
+            return False
+        engine.rewind(reused[slot], slot)
+        engine.reserve(slot, need)
+        # another slot (running or idle) may hold a longer start of the prompt: the same system
+        # prompt, or the conversation so far; its keys and values are copied, not computed
+        own = reused[slot]
+        shared = {i: min(_common_prefix(engine.contexts[i], s.prompt), len(s.prompt) - 1)
+                  for i in range(engine.slots) if i != slot}
+        source = max(shared, key=lambda i: shared[i], default=None)
+        if source is not None and shared[source] > own:
+            engine.share_prefix(source, slot, shared[source])
+            own = shared[source]
+        s.start(slot, own)
+        return True

@@ -1,0 +1,290 @@
+"""Continuous batching (dllama.batching): many requests share each forward step, and every answer
+is exactly the answer the request gets alone, in the engine and through the real server, on one
+node and on a cluster that loses a worker mid-batch; a client that goes away frees its slot; the
+KV budget makes requests wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dllama.batching import PREFILL_CHUNK_WHILE_DECODING
+from dllama.cli.common import open_runtime
+from dllama.engine import LocalEngine, SeqInput
+from dllama.generate import Generator, _common_prefix
+from dllama.kv_cache import bytes_per_position
+from dllama.plan import default_kv_budget
+from dllama.sampling import SamplingParams
+from dllama.server import ServerConfig, make_app
+
+from .cluster_helpers import WorkerProcess
+from .server_helpers import RawStream, ServerThread, cli_server, metrics, post, wait_until
+
+GREEDY = SamplingParams(temperature=0.0)
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to five.",
+             "What do bees make?", "Say hello in Spanish.", "What is two plus two?", "Name a planet.",
+             "What is the opposite of hot?"]
+LONG_ANSWER = "Write a long story about a dragon who learns to fly."
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    return tokenizer.encode(text, add_bos=False, special=True)
+
+
+def wire(summaries) -> list:
+    return [[s.to_wire() for s in per_node] for per_node in summaries]
+
+
+# ------------------------------------------------------------------ the engine
+
+
+async def test_a_step_of_several_sequences_gives_each_its_alone_logits(gguf_model, tokenizer):
+    """Engine.step with sequences in several slots, prefill chunks beside decode tokens: every
+    summary (top logits and their values) is the one the sequence gets fed alone."""
+    a, b, c = (chat_ids(tokenizer, q) for q in QUESTIONS[:3])
+    alone = LocalEngine(gguf_model, 256)
+    expected = []
+    for prompt in (a, b, c):
+        alone.release(0)
+        expected.append(wire(await alone.feed(prompt, GREEDY, targets=prompt[1:] + [0])))
+    engine = LocalEngine(gguf_model, 256, slots=3)
+    for slot, prompt in enumerate((a, b, c)):
+        engine.reserve(slot, len(prompt))
+    got = [[], [], []]
+    # a: 5 tokens then one at a time; b: 2 chunks; c: joins on the third step, all at once
+    plan = [[(0, 5), (1, 11)], [(0, 1), (1, len(b) - 11)], [(0, 1), (2, len(c))]]
+    at = [0, 0, 0]
+    steps = plan + [[(0, 1)]] * (len(a) - 7)
+    for step in steps:
+        seqs = []
+        for slot, n in step:
+            prompt = (a, b, c)[slot]
+            chunk, targets = prompt[at[slot]:at[slot] + n], (prompt[1:] + [0])[at[slot]:at[slot] + n]
+            seqs.append(SeqInput(slot, chunk, GREEDY, targets=targets))
+            at[slot] += n
+        for (slot, _n), summaries in zip(step, await engine.step(seqs)):
+            got[slot] += wire(summaries)
+    assert at == [len(a), len(b), len(c)]
+    assert got == expected
+
+
+async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, tokenizer):
+    """Eight requests (greedy, sampled with a seed, with a repetition penalty, a stop string),
+    arriving together and while others decode: each gets the tokens it gets alone."""
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.0, repeat_penalty=1.3),
+              GREEDY, SamplingParams(temperature=1.0, top_k=5, seed=11), GREEDY, GREEDY, GREEDY]
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    prompts[5] = chat_ids(tokenizer, "Tell me a story. " * 30)  # a long prompt: read in chunks beside the others
+    stops = [[], [], [], ["."], [], [], [], []]
+    alone_engine = LocalEngine(gguf_model, 512)
+    alone = []
+    for p, prm, stop in zip(prompts, params, stops):
+        alone_engine.release(0)
+        alone.append(await Generator(alone_engine, tokenizer).generate(p, prm, 20, stop))
+
+    engine = LocalEngine(gguf_model, 512, slots=8)
+    steps = []
+    step = engine.step
+    stepped = asyncio.Event()
+
+    async def recording(seqs):
+        steps.append([(s.slot, len(s.tokens)) for s in seqs])
+        stepped.set()
+        return await step(seqs)
+
+    engine.step = recording
+    generator = Generator(engine, tokenizer)
+
+    async def after(i, n_steps):  # joins once the batch has run n_steps
+        while len(steps) < n_steps:
+            stepped.clear()
+            await stepped.wait()
+        return await generator.generate(prompts[i], params[i], 20, stops[i])
+
+    batched = await asyncio.gather(*(after(i, n) for i, n in enumerate([0, 0, 0, 0, 2, 3, 5, 8])))
+    for one, many in zip(alone, batched):
+        assert (many.tokens, many.text, many.finish_reason) == (one.tokens, one.text, one.finish_reason)
+    # those that came later took the shared system prompt's keys and values from a running slot
+    system = _common_prefix(prompts[0], prompts[1])
+    assert all(g.prefill_tokens <= len(p) - system for g, p in zip(batched[4:], prompts[4:]))
+    assert max(len(s) for s in steps) >= 5, steps  # they did share steps
+    chunked = 0
+    for s in steps:  # prompts come in chunks of at most 64 tokens in all while others decode
+        if any(n == 1 for _slot, n in s):
+            prompt_tokens = sum(n for _slot, n in s if n > 1)
+            assert prompt_tokens <= PREFILL_CHUNK_WHILE_DECODING, s
+            chunked += prompt_tokens == PREFILL_CHUNK_WHILE_DECODING
+    assert chunked >= 2, steps  # the long prompt's
+
+
+async def test_a_conversation_continues_in_its_slot(gguf_model, tokenizer):
+    """A request that extends an earlier one (its next turn) takes the slot that holds it and
+    computes only its new tokens, while another conversation holds the other slot."""
+    engine = LocalEngine(gguf_model, 512, slots=2)
+    generator = Generator(engine, tokenizer)
+    first = chat_ids(tokenizer, QUESTIONS[0])
+    other = chat_ids(tokenizer, QUESTIONS[1])
+    a, b = await asyncio.gather(generator.generate(first, GREEDY, 8), generator.generate(other, GREEDY, 8))
+    follow_up = first + a.tokens + tokenizer.encode(" And of Spain?", add_bos=False)
+    again = await generator.generate(follow_up, GREEDY, 8)
+    assert again.prefill_tokens <= len(follow_up) - len(first) - len(a.tokens) + 1
+    alone = LocalEngine(gguf_model, 512)
+    assert again.tokens == (await Generator(alone, tokenizer).generate(follow_up, GREEDY, 8)).tokens
+
+
+# ------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def batch_server(model_path):
+    """The API over a 1-node engine of 4 slots and a KV budget of 2 x 256 tokens."""
+    thread = ServerThread()
+    rt = thread.run(open_runtime({"model": model_path, "ctx_size": 256, "threads": 1, "max_batch": 4,
+                                  "kv_budget": 512}, quiet=True))
+    url = thread.serve(make_app(rt, ServerConfig(max_queue=4)))
+    yield thread, rt, url
+    thread.close(rt.close)
+
+
+def _body(question: str, max_tokens: int, **more) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **more}
+
+
+def test_the_kv_budget_makes_a_request_wait_its_turn(batch_server):
+    """Requests reserve prompt + max_tokens: two of ~220 positions fill the budget of 512, so a
+    third waits in the queue, and a small one behind it too (first come, first served), until
+    one finishes; then every answer is its alone answer."""
+    thread, rt, url = batch_server
+    asks = [(QUESTIONS[0], 200), (QUESTIONS[1], 200), (QUESTIONS[2], 200), (QUESTIONS[3], 4)]
+    alone = [post(url, "/v1/chat/completions", _body(q, n))[2] for q, n in asks]
+
+    def counts():
+        m = metrics(url)
+        return m[("dllama_requests_running", ())], m[("dllama_queue_length", ())]
+
+    with ThreadPoolExecutor(4) as pool:
+        with thread.holding(rt.engine) as gate:
+            sent = []
+            for i, (q, n) in enumerate(asks):
+                sent.append(pool.submit(post, url, "/v1/chat/completions", _body(q, n)))
+                if i:  # it waits (for the step in flight, then for budget); a step boundary: admission looks again
+                    queued = 1 if i == 1 else i - 1
+                    assert wait_until(lambda: counts()[1] == queued, 30), (i, counts())
+                    gate.allow(1)
+                expected = [(1, 0), (2, 0), (2, 1), (2, 2)][i]
+                assert wait_until(lambda: counts() == expected and gate.passed == i, 30), (i, counts())
+            m = metrics(url)
+            assert m[("dllama_kv_cache_reserved_tokens", ())] == m[("dllama_kv_cache_budget_tokens", ())] == 512
+        results = [f.result() for f in sent]
+    for (status, _h, body), expected in zip(results, alone):
+        assert status == 200
+        assert body["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+
+
+def test_a_client_that_goes_away_frees_its_slot(batch_server):
+    """A streaming client that hangs up mid-answer leaves the batch at the next step (the step in
+    flight completes), long before its max_tokens; the request beside it is unchanged."""
+    thread, rt, url = batch_server
+    expected = post(url, "/v1/chat/completions", _body(QUESTIONS[4], 24))[2]["choices"][0]["token_ids"]
+    with ThreadPoolExecutor(1) as pool:
+        with thread.holding(rt.engine) as gate:
+            leaving = RawStream(url, "/v1/chat/completions", {**_body(LONG_ANSWER, 200), "return_token_ids": False,
+                                                              "stream": True})
+            staying = pool.submit(post, url, "/v1/chat/completions", _body(QUESTIONS[4], 24))
+            gate.allow(12)
+            events = leaving.events()
+            for _ in range(3):
+                next(events)
+            assert wait_until(lambda: gate.passed == 12, 30)
+            assert metrics(url)[("dllama_requests_running", ())] == 2
+            leaving.hang_up()
+            time.sleep(0.5)  # the server notices
+            gate.allow(1)
+            assert wait_until(lambda: metrics(url)[("dllama_requests_running", ())] == 1, 30)
+        assert staying.result()[2]["choices"][0]["token_ids"] == expected
+    assert wait_until(lambda: metrics(url)[("dllama_requests_running", ())] == 0, 30)
+
+
+# ------------------------------------------------------------------ a cluster
+
+
+@pytest.fixture(scope="module")
+def alone_answers(gguf_model, tokenizer):
+    """Each question's 40 greedy tokens from one node alone (gather mode gives exactly these on
+    any number of nodes)."""
+    loop = asyncio.new_event_loop()
+    engine = LocalEngine(gguf_model, 256)
+    out = []
+    try:
+        for q in QUESTIONS:
+            engine.release(0)
+            gen = loop.run_until_complete(Generator(engine, tokenizer).generate(chat_ids(tokenizer, q), GREEDY, 40))
+            out.append(gen.tokens)
+        loop.run_until_complete(engine.close())
+    finally:
+        loop.close()
+    return out
+
+
+def test_eight_streams_on_a_cluster_survive_a_killed_worker(model_path, alone_answers, tmp_path):
+    """Root + 2 workers, 8 requests at once: each gets its alone answer; then a worker is
+    SIGKILLed while 8 more run: one re-plan and one replay for all of them, and every answer is
+    still exactly its alone answer."""
+    workers = [WorkerProcess("--no-cache", log_file=tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        with cli_server("--model", model_path, "--ctx-size", "256", "--threads", "1", "--max-batch", "8",
+                        "--sync-mode", "gather", "--timeout", "5", "--workers", workers[0].address,
+                        "--workers", workers[1].address) as (_proc, url):
+            def ask(q):
+                status, _h, body = post(url, "/v1/chat/completions", _body(q, 40), timeout=300)
+                assert status == 200, body
+                return body["choices"][0]["token_ids"]
+
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(ask, QUESTIONS)) == alone_answers
+                steps0 = metrics(url)[("dllama_batch_steps_total", ())]
+                answers = [pool.submit(ask, q) for q in QUESTIONS]
+                assert wait_until(lambda: metrics(url)[("dllama_batch_steps_total", ())] >= steps0 + 8, 120)
+                assert metrics(url)[("dllama_requests_running", ())] == 8
+                workers[1].kill()
+                assert [f.result() for f in answers] == alone_answers
+            m = metrics(url)
+            assert m[("dllama_nodes", ())] == 2 and m[("dllama_cluster_events_total", ())] >= 2
+            assert m[("dllama_batch_sequences_total", ())] / m[("dllama_batch_steps_total", ())] > 4
+    finally:
+        for w in workers:
+            w.stop()
+
+
+async def test_a_copied_prompt_start_gives_the_computed_bits(gguf_model, tokenizer):
+    """A prompt that starts as another sequence's (the chat template's system prompt) takes that
+    start's keys and values by a copy between slots: its logits are those computed alone."""
+    a, b = chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, QUESTIONS[1])
+    n = _common_prefix(a, b)
+    assert n > 10
+    engine = LocalEngine(gguf_model, 256, slots=2)
+    engine.reserve(0, len(a))
+    await engine.step([SeqInput(0, a, GREEDY)])
+    engine.reserve(1, len(b))
+    engine.share_prefix(0, 1, n)
+    [got] = await engine.step([SeqInput(1, b[n:], GREEDY, targets=b[n + 1:] + [0])])
+    expected = await LocalEngine(gguf_model, 256).feed(b, GREEDY, targets=b[1:] + [0])
+    assert wire(got) == wire(expected[n:])
+    assert engine.contexts[1] == b
+
+
+def test_the_default_kv_budget_fits_every_node_s_memory(gguf_model):
+    """Without --kv-budget: a whole context per slot where memory allows, else half of what the
+    tightest node has left after its weights, and never less than one context."""
+    cfg = gguf_model.config
+    per_position = bytes_per_position(cfg, cfg.n_kv_heads)
+    assert default_kv_budget(cfg, 1000, 8, [(None, 0, cfg.n_kv_heads)]) == 8 * 1024
+    roomy = (10 ** 12, 10 ** 9, cfg.n_kv_heads)
+    tight = (10 ** 9 + 2 * 3000 * per_position, 10 ** 9, cfg.n_kv_heads)  # 3000 positions in half its room
+    assert default_kv_budget(cfg, 1000, 8, [roomy, tight]) == 3000 // 32 * 32
+    assert default_kv_budget(cfg, 1000, 8, [roomy, (10 ** 9, 10 ** 9, cfg.n_kv_heads)]) == 1024
