@@ -10,7 +10,9 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
   conversation), else an empty one, else the least recently used; idle slots are evicted, least
   recently used first, when the budget needs their room. If another slot, running or idle, holds
   a longer start of the prompt (the same system prompt, say), its keys and values are copied
-  into the new slot on every node instead of computed: the same tokens give the same bits.
+  into the new slot on every node instead of computed: the same tokens give the same bits. If a
+  request admitted before it is about to compute such a start (requests that arrive together),
+  it waits for that step and then copies.
 - Each step carries the next token of every decoding sequence, then prompt tokens of the
   sequences still reading theirs, in order of arrival: while any sequence decodes at most
   `prefill_chunk` of them (64 by default), so a long prompt delays the running streams by one
@@ -38,6 +40,7 @@ from .step import MAX_STEP_TOKENS
 log = logging.getLogger("dllama.batching")
 
 PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode
+MIN_SHARE_WAIT = 16  # prompt tokens another request must be about to compute for this one to wait a step
 
 
 class Batcher:
@@ -85,6 +88,9 @@ class Batcher:
                 await asyncio.sleep(0)  # (only what _admit failed or dropped: the loop ends or admits next)
                 continue
             streams, seqs, fed = self._plan()
+            if not seqs:  # (every one waits for another's prompt start: cannot last, that one runs)
+                await asyncio.sleep(0)
+                continue
             engine = self.engine
             try:
                 results = await engine.step(seqs)
@@ -115,6 +121,7 @@ class Batcher:
 
     def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
         """This step's sequences: every decoding one's next token, then prompt chunks."""
+        self._take_shared_starts()
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
@@ -125,7 +132,7 @@ class Batcher:
         room = MAX_STEP_TOKENS - len(seqs)
         prefill = min(room, self.prefill_chunk) if decoding else room
         for s in self.active:
-            if s.decoding or prefill <= 0:
+            if s.decoding or s.share_from is not None or prefill <= 0:
                 continue
             n = min(len(s.pending), prefill)
             last = n == len(s.pending)
@@ -193,4 +200,26 @@ class Batcher:
             engine.share_prefix(source, slot, shared[source])
             own = shared[source]
         s.start(slot, own)
+        # a request admitted before it, still reading its prompt, may be about to compute a longer
+        # start of this one (requests that arrive together share the system prompt): wait for it
+        ahead = {a: min(_common_prefix(a.prompt, s.prompt), len(s.prompt) - 1) for a in self.active if not a.decoding}
+        leader = max(ahead, key=lambda a: ahead[a], default=None)
+        if leader is not None and ahead[leader] >= own + MIN_SHARE_WAIT:
+            s.share_from = (leader, ahead[leader])
         return True
+
+    def _take_shared_starts(self) -> None:
+        """Requests waiting for a leader's prompt start copy it once the leader's cache holds it
+        (or compute it themselves if the leader left before)."""
+        engine = self.engine
+        for s in self.active:
+            if s.share_from is None:
+                continue
+            leader, n = s.share_from
+            if leader in self.active and len(engine.contexts[leader.slot]) < n:
+                continue  # not there yet: this request skips the step
+            s.share_from = None
+            if engine.contexts[leader.slot][:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
+                engine.share_prefix(leader.slot, s.slot, n)
+                s.pending = s.prompt[n:]
+                s.out.prefill_tokens = len(s.pending)

@@ -107,6 +107,7 @@ class Stream:
         self.pending: list[int] = []  # what the next steps feed: the prompt's rest, then the last token
         self.decoding = False  # past the prompt
         self.cancelled = False  # the caller went away
+        self.share_from = None  # (a request ahead, n): it waits for that one's first n prompt tokens to copy them
         self.done = asyncio.get_running_loop().create_future()
         self.t0 = 0.0
         self.decode_t0 = 0.0
