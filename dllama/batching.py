@@ -80,6 +80,19 @@ class Batcher:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except BaseException as e:  # a bug of ours (or the loop closing): no request may wait for ever
+            if not isinstance(e, asyncio.CancelledError):
+                log.exception("the batching loop failed")
+            for s in self.active + list(self.waiting):
+                s.finish(self.engine.stats, "error", f"internal error: {type(e).__name__}: {e}")
+            self.active.clear()
+            self.waiting.clear()
+            self.engine.in_use.clear()
+            raise
+
+    async def _loop(self) -> None:
         while self.waiting or self.active:
             await self._admit()
             for s in [s for s in self.active if s.cancelled]:
@@ -97,11 +110,13 @@ class Batcher:
             except Exception as e:  # the step failed for all of them: each keeps what it produced
                 if not isinstance(e, DllamaError):
                     log.exception("a batched step failed")
+                sources = engine.copy_sources
                 for s in streams:
                     s.finish(engine.stats, "error", str(e) if isinstance(e, DllamaError) else
                              f"internal error: {type(e).__name__}: {e}")
                     self._leave(s)
-                    engine.release(s.slot)  # its cache's state is unknown after a failure
+                    if s.slot not in sources:  # (a pending copy still reads it)
+                        engine.release(s.slot)  # its cache's state is unknown after a failure
                 continue
             self.steps += 1
             self.step_sequences += len(seqs)
@@ -110,8 +125,13 @@ class Batcher:
             for s, q, n, summaries in zip(streams, seqs, fed, results):
                 del s.pending[:n]
                 self.last_used[s.slot] = time.monotonic()
-                if q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
-                                            engine.stats):
+                try:
+                    done = q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
+                                                    engine.stats)
+                except Exception as e:  # its sampler or its caller's callback: that request alone fails
+                    log.exception("a request failed after a step")
+                    done = s.finish(engine.stats, "error", f"internal error: {type(e).__name__}: {e}")
+                if done:
                     self._leave(s)
 
     def _leave(self, s: Stream) -> None:
@@ -161,16 +181,19 @@ class Batcher:
         if admitted:
             try:  # a cluster may re-admit workers that came back (between steps, never during one)
                 await self.engine.on_request()
-            except DllamaError as e:
+            except Exception as e:
+                if not isinstance(e, DllamaError):
+                    log.exception("re-admitting workers failed")
                 for s in admitted:
-                    s.finish(self.engine.stats, "error", str(e))
+                    s.finish(self.engine.stats, "error", str(e) if isinstance(e, DllamaError) else
+                             f"internal error: {type(e).__name__}: {e}")
                     self._leave(s)
 
     def _place(self, s: Stream) -> bool:
         """Give the request an idle slot with room for its prompt and max_tokens, if the budget allows."""
         engine = self.engine
         busy = {a.slot for a in self.active}
-        idle = [i for i in range(engine.slots) if i not in busy]
+        idle = [i for i in range(engine.slots) if i not in busy and i not in engine.copy_sources]
         if not idle:
             return False
         # at least one prompt token must run, to produce logits
@@ -186,6 +209,9 @@ class Batcher:
                 break
             if engine.capacities[other]:
                 engine.release(other)
+        if not engine.fits(slot, need) and engine.capacities[slot]:  # its own old size is in the way
+            engine.release(slot)
+            reused[slot] = 0
         if not engine.fits(slot, need):
             return False
         engine.rewind(reused[slot], slot)
@@ -193,8 +219,9 @@ class Batcher:
         # another slot (running or idle) may hold a longer start of the prompt: the same system
         # prompt, or the conversation so far; its keys and values are copied, not computed
         own = reused[slot]
+        unsure = engine.copy_targets | engine.freeing  # caches the next step still changes
         shared = {i: min(_common_prefix(engine.contexts[i], s.prompt), len(s.prompt) - 1)
-                  for i in range(engine.slots) if i != slot}
+                  for i in range(engine.slots) if i != slot and i not in unsure}
         source = max(shared, key=lambda i: shared[i], default=None)
         if source is not None and shared[source] > own:
             engine.share_prefix(source, slot, shared[source])

@@ -116,7 +116,8 @@ class Engine:
 
     def __init__(self, slots: int = 1, kv_budget: int | None = None):
         """slots: sequences that may decode together; kv_budget: positions their KV caches may
-        hold in all (at least one whole context; default: each slot a whole context)."""
+        hold in all (at least one whole context; default: each slot a whole context, which a
+        cluster lowers to what its nodes' memory holds)."""
         self.events: list[str] = []  # failures and recoveries of a cluster, for logs, /health and /metrics
         self.slots = slots
         self.kv_budget = kv_budget
@@ -137,7 +138,7 @@ class Engine:
             self.kv_budget_given = self.kv_budget is not None
         if not self.kv_budget_given:
             self.kv_budget = default_kv_budget(self.config, ctx_size, self.slots, nodes)
-        self.kv_budget = round_capacity(self.kv_budget)
+        self.kv_budget = min(round_capacity(self.kv_budget), one * self.slots)  # (more could never be used)
         if self.kv_budget < one:
             raise DllamaError(f"a KV budget of {self.kv_budget} positions cannot hold one context of {ctx_size}")
 
@@ -157,14 +158,19 @@ class Engine:
         """Positions the slots' caches hold (what counts against the budget)."""
         return sum(self.capacities)
 
+    def _capacity_for(self, slot: int, positions: int) -> int:
+        # never smaller than it is: a node only resizes a slot when a step names it, so a shrink
+        # the nodes never saw would leave them counting more than the root
+        return max(round_capacity(min(positions, self.ctx_size)), self.capacities[slot])
+
     def fits(self, slot: int, positions: int) -> bool:
         """Whether `slot` can be given room for `positions` within the budget."""
-        capacity = round_capacity(min(positions, self.ctx_size))
-        return self.kv_used - self.capacities[slot] + capacity <= self.kv_budget
+        return self.kv_used - self.capacities[slot] + self._capacity_for(slot, positions) <= self.kv_budget
 
     def reserve(self, slot: int, positions: int) -> None:
-        """Size slot's cache for `positions` (at most the context), keeping its tokens below that."""
-        capacity = round_capacity(min(positions, self.ctx_size))
+        """Size slot's cache for `positions` (at most the context; a slot never shrinks until it
+        is released), keeping its tokens."""
+        capacity = self._capacity_for(slot, positions)
         if not self.fits(slot, positions):
             raise ContextOverflow(f"{capacity} positions for slot {slot} do not fit the KV budget of "
                                   f"{self.kv_budget} ({self.kv_used - self.capacities[slot]} in use by the others)")
@@ -180,8 +186,17 @@ class Engine:
 
     @property
     def copy_sources(self) -> set[int]:
-        """Slots the next step copies from (not to be evicted before it)."""
+        """Slots the next step copies from (not to be evicted or reused before it)."""
         return {c.src for c in self._copies}
+
+    @property
+    def copy_targets(self) -> set[int]:
+        """Slots the next step copies into (not a source before it)."""
+        return {c.dst for c in self._copies}
+
+    @property
+    def freeing(self) -> set[int]:
+        return set(self._to_free)
 
     def share_prefix(self, src: int, dst: int, n: int) -> None:
         """dst (reserved) takes src's first n tokens and their cache, copied on every node with

@@ -97,8 +97,8 @@ class Copy(WireStruct):
 
 class Step(WireStruct):
     """One forward pass over the tokens of one or more sequences (their embeddings follow, one
-    sequence after another), after the caches of the slots in `free` are dropped and the
-    `copies` made."""
+    sequence after another), after the caches of the slots in `free` are dropped, then the
+    `copies` made (none reads a slot freed or copied into by the same step)."""
 
     seqs: Annotated[list[Seq], Meta(min_length=1, max_length=MAX_SLOTS)]
     free: Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]], Meta(max_length=MAX_SLOTS)] = []
@@ -149,6 +149,12 @@ class Step(WireStruct):
                 raise InvalidMessage(f"{where}: slots {c.src} -> {c.dst} are not two of the session's {n_slots}")
             if not c.n <= c.capacity <= round_capacity(ctx_size):
                 raise InvalidMessage(f"{where}: {c.n} positions into a capacity of {c.capacity} (context {ctx_size})")
+            if c.src in self.free or c.src in {d.dst for d in self.copies}:
+                raise InvalidMessage(f"{where}: slot {c.src} is freed or copied into by the same step")
+            if any(q.slot == c.dst and q.capacity != c.capacity for q in self.seqs):
+                raise InvalidMessage(f"{where}: slot {c.dst} is sized {c.capacity} here and otherwise in seqs")
+        if len({c.dst for c in self.copies}) != len(self.copies):
+            raise InvalidMessage(f"invalid {kind}: a slot is copied into twice")
         return self
 
 
@@ -177,19 +183,14 @@ class NodeStep:
         kv = self.model.kv
         kv.check({**{c.dst: c.capacity for c in step.copies}, **{s.slot: s.capacity for s in step.seqs}},
                  step.free)  # before anything changes
-        sources = {c.src for c in step.copies}
-        for c in step.copies:
+        for c in step.copies:  # (no copy reads a slot this step frees or copies into: Step.check)
             if c.n > kv.capacity(c.src):
                 raise ContextOverflow(f"slot {c.src} holds {kv.capacity(c.src)} positions, not the {c.n} to copy")
-        for slot in step.free:  # those a copy reads go after it (each frees memory first where it can)
-            if slot not in sources:
-                kv.free(slot)
+        for slot in step.free:
+            kv.free(slot)
         for c in step.copies:
             kv.resize(c.dst, c.capacity)
             kv.copy(c.src, c.dst, c.n)
-        for slot in step.free:
-            if slot in sources:
-                kv.free(slot)
         for s in step.seqs:
             kv.resize(s.slot, s.capacity)
         h = await self.model.forward(x, [s.span for s in step.seqs], self)

@@ -289,3 +289,22 @@ def test_the_default_kv_budget_fits_every_node_s_memory(gguf_model):
     tight = (10 ** 9 + 2 * 3000 * per_position, 10 ** 9, cfg.n_kv_heads)  # 3000 positions in half its room
     assert default_kv_budget(cfg, 1000, 8, [roomy, tight]) == 3000 // 32 * 32
     assert default_kv_budget(cfg, 1000, 8, [roomy, (10 ** 9, 10 ** 9, cfg.n_kv_heads)]) == 1024
+
+
+@pytest.mark.parametrize("free, copies, error", [
+    ([1], [(1, 2, 32)], "freed or copied into"),
+    ([], [(0, 1, 32), (1, 2, 32)], "freed or copied into"),
+    ([], [(0, 2, 32), (1, 2, 32)], "copied into twice"),
+    ([], [(1, 0, 64)], "sized 64 here"),
+])
+def test_a_step_s_copies_cannot_chain_or_outgrow_the_budget(free, copies, error):
+    """What a worker refuses before touching its caches: a copy from a slot the same step frees or
+    copies into, two copies into one slot, a slot sized two ways (each could hold more than the
+    budget for a moment, or read a cache that is gone)."""
+    from dllama.step import Copy, Seq, Step
+    from dllama.wire import InvalidMessage
+
+    seq = Seq.of(0, 0, 4, 32, GREEDY)
+    step = Step([seq], free, [Copy(src=a, dst=b, n=n, capacity=n) for a, b, n in copies])
+    with pytest.raises(InvalidMessage, match=error):
+        step.check(256, 4, 64, 1000, 1 << 20, "FORWARD")

@@ -262,7 +262,7 @@ class ServerState:
         finally:
             if not task.done():
                 task.cancel()
-                await asyncio.wait([task])  # the step in flight completes, then the engine is free
+                await asyncio.wait([task])  # its slot is freed at the batch's next step
         return resp
 
     def _record(self, ids: list[int], gen: Generation) -> None:
