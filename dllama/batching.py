@@ -245,8 +245,9 @@ class Batcher:
             leader, n = s.share_from
             if leader in self.active and len(engine.contexts[leader.slot]) < n:
                 continue  # not there yet: this request skips the step
-            s.share_from = None
-            if engine.contexts[leader.slot][:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
+            s.share_from = None  # (a slot the next step frees or copies into is no source: compute it)
+            if leader.slot not in engine.copy_targets | engine.freeing \
+                    and engine.contexts[leader.slot][:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
                 engine.share_prefix(leader.slot, s.slot, n)
                 s.pending = s.prompt[n:]
                 s.out.prefill_tokens = len(s.pending)
