@@ -23,11 +23,11 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import aiohttp
@@ -65,14 +65,21 @@ class Server:
             cmd = [sys.executable, "-m", "dllama", "serve", "--model", model, "--port", str(self.port),
                    "--max-batch", str(slots), "--ctx-size", str(CTX_PER_SLOT), "--max-queue", "64"]
             cmd += ["--local-workers", "2", "--threads", "1"] if kind == "ours-3" else ["--threads", str(threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        # the log to a file, not a pipe: nobody reads a pipe while the server runs, and once its buffer
+        # is full (llama-server logs every request) the server would block writing to it
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, cwd=ROOT)
+
+    def log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2000:]
 
     async def ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.kind} exited: {self.proc.stderr.read()[-2000:]}")
+                    raise RuntimeError(f"{self.kind} exited: {self.log_tail()}")
                 try:
                     async with http.get(self.url + "/health") as r:
                         if r.status == 200:
@@ -89,7 +96,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stderr.close()
+        self.log.close()
 
 
 # ------------------------------------------------------------------ clients
@@ -125,7 +132,7 @@ async def one_stream(http: aiohttp.ClientSession, url: str, question: str, max_t
 
 async def run_clients(url: str, n: int, max_tokens: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
         await one_stream(http, url, "Hello", 4, time.perf_counter())  # warm-up
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_stream(http, url, QUESTIONS[i % len(QUESTIONS)], max_tokens, t0)
@@ -144,6 +151,8 @@ async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int) 
     try:
         await server.ready()
         return await run_clients(server.url, n, max_tokens)
+    except aiohttp.ClientError as e:
+        raise RuntimeError(f"{type(e).__name__}: {e}; the server's log ends: {server.log_tail()[-400:]!r}") from e
     finally:
         server.stop()
 
@@ -174,12 +183,18 @@ def main() -> None:
         subprocess.run(["sh", os.path.join(HERE, "build_llama_server.sh")], check=True)
     clients = [int(c) for c in args.clients.split(",")]
     runs: dict[tuple[str, int], list[dict]] = {}
+    failures: dict[tuple[str, int], str] = {}
     for _ in range(args.rounds):  # interleaved: a shared machine's slow spells hit every server alike
         for n in clients:
             for kind in servers:
-                runs.setdefault((kind, n), []).append(asyncio.run(measure(kind, model, args.threads, n,
-                                                                          args.max_tokens)))
-                print(f"  {kind} x{n}: {runs[(kind, n)][-1]}", file=sys.stderr)
+                try:
+                    run = asyncio.run(measure(kind, model, args.threads, n, args.max_tokens))
+                except (aiohttp.ClientError, OSError, RuntimeError) as e:  # a server that fell: say so, go on
+                    failures.setdefault((kind, n), f"{type(e).__name__}: {e}")
+                    print(f"  {kind} x{n}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                runs.setdefault((kind, n), []).append(run)
+                print(f"  {kind} x{n}: {run}", file=sys.stderr)
     figures = {key: median_of(value) for key, value in runs.items()}
     if args.json:
         print(json.dumps({f"{k}x{n}": v for (k, n), v in figures.items()}, indent=1))
@@ -193,6 +208,9 @@ def main() -> None:
     for n in clients:
         anchor = figures.get(("llama-server", n))
         for kind in servers:
+            if (kind, n) not in figures:
+                print(f"| {kind} | {n} | failed: {failures[(kind, n)]} | | | | |")
+                continue
             f = figures[(kind, n)]
             ratio = f"{f['aggregate_tps'] / anchor['aggregate_tps']:.2f}x" if anchor and kind != "llama-server" else ""
             print(f"| {kind} | {n} | {f['aggregate_tps']:.1f} | {f['stream_tps']:.1f} | {f['ttft_p50_ms']:.0f} | "

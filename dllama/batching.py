@@ -12,11 +12,13 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
   a longer start of the prompt (the same system prompt, say), its keys and values are copied
   into the new slot on every node instead of computed: the same tokens give the same bits. If a
   request admitted before it is about to compute such a start (requests that arrive together),
-  it waits for that step and then copies.
+  it copies it in the step that computes it: every node makes a step's copies layer by layer,
+  after the step's keys and values and before its attention, so all of them start at once.
 - Each step carries the next token of every decoding sequence, then prompt tokens of the
-  sequences still reading theirs, in order of arrival: while any sequence decodes at most
-  `prefill_chunk` of them (64 by default), so a long prompt delays the running streams by one
-  short chunk per step instead of freezing them; with nothing decoding, up to a step's limit (256).
+  sequences still reading theirs, in order of arrival: while D sequences decode, at most
+  max(`prefill_chunk` (64 by default), 256 / D) of them, so a long prompt delays the running
+  streams by one short chunk per step instead of freezing them, and requests that arrive while
+  few others decode get their first token soon; with nothing decoding, up to a step's limit (256).
 - A request leaves when done; one whose caller went away leaves at the next step (the step in
   flight completes: every node stays in step). Its slot stays idle with its tokens for reuse.
 
@@ -39,7 +41,8 @@ from .step import MAX_STEP_TOKENS
 
 log = logging.getLogger("dllama.batching")
 
-PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode
+PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode, at least
+PREFILL_DELAY_BUDGET = 256  # ... and up to this many over the number of decoding sequences
 MIN_SHARE_WAIT = 16  # prompt tokens another request must be about to compute for this one to wait a step
 
 
@@ -141,7 +144,6 @@ class Batcher:
 
     def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
         """This step's sequences: every decoding one's next token, then prompt chunks."""
-        self._take_shared_starts()
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
@@ -150,9 +152,11 @@ class Batcher:
             seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
             fed.append(1)
         room = MAX_STEP_TOKENS - len(seqs)
-        prefill = min(room, self.prefill_chunk) if decoding else room
+        # prompt tokens delay every decoding stream's next token: a few streams can wait for more
+        prefill = min(room, max(self.prefill_chunk, PREFILL_DELAY_BUDGET // len(decoding))) if decoding else room
+        planned = {}  # the prompt tokens each stream computes in this step
         for s in self.active:
-            if s.decoding or s.share_from is not None or prefill <= 0:
+            if s.decoding or prefill <= 0 or (s.share_from is not None and not self._take_shared_start(s, planned)):
                 continue
             n = min(len(s.pending), prefill)
             last = n == len(s.pending)
@@ -160,6 +164,7 @@ class Batcher:
             seqs.append(SeqInput(s.slot, s.pending[:n], s.params, s.recent(contexts[s.slot], n) if last else [],
                                  want_logits=last))
             fed.append(n)
+            planned[s] = s.pending[:n]
             prefill -= n
         return streams, seqs, fed
 
@@ -228,26 +233,28 @@ class Batcher:
             own = shared[source]
         s.start(slot, own)
         # a request admitted before it, still reading its prompt, may be about to compute a longer
-        # start of this one (requests that arrive together share the system prompt): wait for it
+        # start of this one (requests that arrive together share the system prompt): copy it in the
+        # step that computes it (_take_shared_start)
         ahead = {a: min(_common_prefix(a.prompt, s.prompt), len(s.prompt) - 1) for a in self.active if not a.decoding}
         leader = max(ahead, key=lambda a: ahead[a], default=None)
         if leader is not None and ahead[leader] >= own + MIN_SHARE_WAIT:
             s.share_from = (leader, ahead[leader])
         return True
 
-    def _take_shared_starts(self) -> None:
-        """Requests waiting for a leader's prompt start copy it once the leader's cache holds it
-        (or compute it themselves if the leader left before)."""
+    def _take_shared_start(self, s: Stream, planned: dict[Stream, list[int]]) -> bool:
+        """A request waiting for a leader's prompt start copies it once the leader's cache holds it
+        or the step computes the rest of it (the copy is made in each layer after the step's keys
+        and values), or computes it itself if the leader left; else it skips the step (False)."""
         engine = self.engine
-        for s in self.active:
-            if s.share_from is None:
-                continue
-            leader, n = s.share_from
-            if leader in self.active and len(engine.contexts[leader.slot]) < n:
-                continue  # not there yet: this request skips the step
-            s.share_from = None  # (a slot the next step frees or copies into is no source: compute it)
-            if leader.slot not in engine.copy_targets | engine.freeing \
-                    and engine.contexts[leader.slot][:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
-                engine.share_prefix(leader.slot, s.slot, n)
-                s.pending = s.prompt[n:]
-                s.out.prefill_tokens = len(s.pending)
+        leader, n = s.share_from
+        upcoming = planned.get(leader, [])
+        have = engine.contexts[leader.slot] + upcoming
+        if leader in self.active and len(have) < n:
+            return False  # not there yet
+        s.share_from = None  # (a slot the step frees or copies into is no source: compute it)
+        if leader.slot not in engine.copy_targets | engine.freeing \
+                and have[:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
+            engine.share_prefix(leader.slot, s.slot, n, upcoming)
+            s.pending = s.prompt[n:]
+            s.out.prefill_tokens = len(s.pending)
+        return True

@@ -198,12 +198,14 @@ class Engine:
     def freeing(self) -> set[int]:
         return set(self._to_free)
 
-    def share_prefix(self, src: int, dst: int, n: int) -> None:
+    def share_prefix(self, src: int, dst: int, n: int, upcoming: list[int] = ()) -> None:
         """dst (reserved) takes src's first n tokens and their cache, copied on every node with
-        the next step."""
-        if not n <= min(len(self.contexts[src]), self.capacities[dst]):
+        the next step, layer by layer after its keys and values: src may be computing some of the
+        n in that step (`upcoming`, the tokens it appends then)."""
+        have = self.contexts[src] + list(upcoming)
+        if not n <= min(len(have), self.capacities[dst]):
             raise ValueError(f"cannot copy {n} positions from slot {src} into slot {dst}")
-        self.contexts[dst] = self.contexts[src][:n]
+        self.contexts[dst] = have[:n]
         self._copies.append(Copy(src=src, dst=dst, n=n, capacity=self.capacities[dst]))
 
     def rewind(self, n_tokens: int, slot: int = 0) -> None:

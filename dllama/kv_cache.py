@@ -45,11 +45,6 @@ class KVCache:
         k = self.k[slot]
         return 0 if k is None else k.shape[2]
 
-    @property
-    def used(self) -> int:
-        """Positions held over all slots."""
-        return sum(self.capacity(s) for s in range(self.n_slots))
-
     def check(self, capacities: dict[int, int], freed=()) -> None:
         """Whether slots resized to `capacities` (after freeing `freed`) stay within the budget."""
         for slot, capacity in capacities.items():
@@ -75,12 +70,6 @@ class KVCache:
             k[:, :, :keep] = old_k[:, :, :keep]
             v[..., :keep] = old_v[..., :keep]
         self.k[slot], self.v[slot] = k, v
-
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """dst's first n positions become src's (a shared prompt start: the same tokens give the
-        same keys and values, bit for bit)."""
-        self.k[dst][:, :, :n] = self.k[src][:, :, :n]
-        self.v[dst][..., :n] = self.v[src][..., :n]
 
     def free(self, slot: int) -> None:
         self.k[slot] = self.v[slot] = None

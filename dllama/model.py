@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
 from .kernels.activations import Activations
-from .kernels.attention import attention
+from .kernels.attention import CacheSpans, attend
 from .kernels.ops import gelu_mul, rmsnorm, rope, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
 from .kv_cache import KVCache, round_capacity
@@ -199,9 +199,12 @@ class ShardModel:
         budget = round_capacity(ctx_size) * slots if kv_budget is None else kv_budget
         self.kv = KVCache(config, shard.n_kv_heads, slots, ctx_size, budget)
 
-    async def forward(self, x: np.ndarray, spans: list[Span], comm: Collectives = ALONE) -> np.ndarray:
+    async def forward(self, x: np.ndarray, spans: list[Span], comm: Collectives = ALONE,
+                      copies: list[tuple[int, int, int]] = ()) -> np.ndarray:
         """Run tokens through every layer, filling the KV caches: x (T, dim) holds the embeddings of
         every span's tokens, one span after another (each span a sequence, its cache in its slot).
+        copies (src, dst, n): in each layer, once the tokens' keys and values are in, slot dst takes
+        slot src's first n positions (a prompt start that src has, or computes in this pass).
         Returns the final residual stream (T, dim), the same on every node. Every kernel sums a
         token's values in one order whatever T is, so a token's result does not depend on how the
         tokens were split into forward passes, nor on the other sequences that share one."""
@@ -213,11 +216,19 @@ class ShardModel:
             if s.start + s.n > self.kv.capacity(s.slot):
                 raise ContextOverflow(f"{s.start + s.n} tokens do not fit the {self.kv.capacity(s.slot)} positions "
                                       f"of slot {s.slot}'s KV cache")
+        for src, dst, n in copies:
+            if n > min(self.kv.capacity(src), self.kv.capacity(dst)):
+                raise ContextOverflow(f"slots {src} -> {dst} hold {self.kv.capacity(src)} and {self.kv.capacity(dst)} "
+                                      f"positions, not the {n} to copy")
         x = np.array(x, dtype=np.float32)
         if cfg.embedding_scale != 1.0:  # Gemma
             x *= np.float32(cfg.embedding_scale)
         pos = np.concatenate([np.arange(s.start, s.start + s.n) for s in spans])
         nq, nkv = self.shard.n_q_heads, self.shard.n_kv_heads
+        kv = self.kv
+        caches = CacheSpans([kv.k[s.slot] for s in spans], [kv.v[s.slot] for s in spans], [s.start for s in spans],
+                            [s.n for s in spans], [((kv.k[src], kv.v[src]), (kv.k[dst], kv.v[dst]), n)
+                                                   for src, dst, n in copies]) if nq else None
         project = self.projection.project
         gate = gelu_mul if cfg.activation == "gelu" else silu_mul
         for i, w in enumerate(self.weights.layers):
@@ -239,15 +250,8 @@ class ShardModel:
                 if cfg.attn_q_scale:  # Gemma scales Q, not the scores
                     q *= np.float32(cfg.attn_q_scale)
                 scale, window = 1.0 if cfg.attn_q_scale else None, cfg.sliding_window if cfg.is_local(i) else 0
-                att = np.empty((T, nq * hd), np.float32)
-                at = 0
-                for s in spans:  # each sequence against its own cache
-                    k_cache, v_cache = self.kv.layer(s.slot, i)
-                    k_cache[:, s.start:s.start + s.n] = k[at:at + s.n].transpose(1, 0, 2)
-                    v_cache[:, :, s.start:s.start + s.n] = v[at:at + s.n].transpose(1, 2, 0)
-                    att[at:at + s.n] = attention(q[at:at + s.n], k_cache, v_cache, self.kv_of_head, s.start, scale,
-                                                 window).reshape(s.n, nq * hd)
-                    at += s.n
+                # each sequence's keys and values into its own cache, its queries against it
+                att = attend(q, k, v, caches, i, self.kv_of_head, scale, window).reshape(T, nq * hd)
             else:
                 att = np.zeros((T, 0), np.float32)
             out = await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads

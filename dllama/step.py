@@ -2,9 +2,10 @@
 
 The root's engine cuts prompts and answers into steps; a step says which positions of which
 sequences run (several sequences share a step when they decode together, each with its KV cache
-in its own slot), which logits come back and how to summarize them. The root sends it to each worker as the FORWARD message
-(`to_wire` / `from_wire`, its embeddings following as raw activations) and runs its own shard of it
-with the same `NodeStep`; a node alone (LocalEngine) is a NodeStep without a group.
+in its own slot), which logits come back and how to summarize them. The root sends it to each
+worker as the FORWARD message (`to_wire` / `from_wire`, its embeddings following as raw
+activations) and runs its own shard of it with the same `NodeStep`; a node alone (LocalEngine) is
+a NodeStep without a group.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class Seq(WireStruct):
 class Copy(WireStruct):
     """Slot dst, sized to `capacity`, takes the first n positions of slot src's cache: a prompt
     that starts as another sequence does takes that start's keys and values instead of
-    computing them (the same tokens give the same bits)."""
+    computing them (the same tokens give the same bits). Made layer by layer, once the step's new
+    keys and values are written: src may be computing them in the same step (requests that
+    arrive together share their system prompt in their first step)."""
 
     src: Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
     dst: Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
@@ -97,8 +100,9 @@ class Copy(WireStruct):
 
 class Step(WireStruct):
     """One forward pass over the tokens of one or more sequences (their embeddings follow, one
-    sequence after another), after the caches of the slots in `free` are dropped, then the
-    `copies` made (none reads a slot freed or copied into by the same step)."""
+    sequence after another), after the caches of the slots in `free` are dropped, with the
+    `copies` made in each layer before its attention (none reads a slot freed or copied into by
+    the same step, nor writes positions a sequence of the step computes)."""
 
     seqs: Annotated[list[Seq], Meta(min_length=1, max_length=MAX_SLOTS)]
     free: Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]], Meta(max_length=MAX_SLOTS)] = []
@@ -153,6 +157,8 @@ class Step(WireStruct):
                 raise InvalidMessage(f"{where}: slot {c.src} is freed or copied into by the same step")
             if any(q.slot == c.dst and q.capacity != c.capacity for q in self.seqs):
                 raise InvalidMessage(f"{where}: slot {c.dst} is sized {c.capacity} here and otherwise in seqs")
+            if any(q.slot == c.dst and q.start < c.n for q in self.seqs):
+                raise InvalidMessage(f"{where}: slot {c.dst} computes positions below the {c.n} copied into it")
         if len({c.dst for c in self.copies}) != len(self.copies):
             raise InvalidMessage(f"invalid {kind}: a slot is copied into twice")
         return self
@@ -183,17 +189,17 @@ class NodeStep:
         kv = self.model.kv
         kv.check({**{c.dst: c.capacity for c in step.copies}, **{s.slot: s.capacity for s in step.seqs}},
                  step.free)  # before anything changes
+        capacities = {s.slot: s.capacity for s in step.seqs}
         for c in step.copies:  # (no copy reads a slot this step frees or copies into: Step.check)
-            if c.n > kv.capacity(c.src):
+            if c.n > capacities.get(c.src, kv.capacity(c.src)):
                 raise ContextOverflow(f"slot {c.src} holds {kv.capacity(c.src)} positions, not the {c.n} to copy")
         for slot in step.free:
             kv.free(slot)
         for c in step.copies:
             kv.resize(c.dst, c.capacity)
-            kv.copy(c.src, c.dst, c.n)
         for s in step.seqs:
             kv.resize(s.slot, s.capacity)
-        h = await self.model.forward(x, [s.span for s in step.seqs], self)
+        h = await self.model.forward(x, [s.span for s in step.seqs], self, [(c.src, c.dst, c.n) for c in step.copies])
         rows, at = [], 0
         for s in step.seqs:  # the rows whose logits the step asks for, and how to summarize each
             at += s.n

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dllama.batching import PREFILL_CHUNK_WHILE_DECODING
+from dllama.batching import PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET
 from dllama.cli.common import open_runtime
 from dllama.engine import LocalEngine, SeqInput
 from dllama.generate import Generator, _common_prefix
@@ -108,18 +108,22 @@ async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, toke
     batched = await asyncio.gather(*(after(i, n) for i, n in enumerate([0, 0, 0, 0, 2, 3, 5, 8])))
     for one, many in zip(alone, batched):
         assert (many.tokens, many.text, many.finish_reason) == (one.tokens, one.text, one.finish_reason)
-    # all but the first took the shared system prompt's keys and values from another slot (those
-    # that came with it waited one step for it)
+    # all but the first took the shared system prompt's keys and values from another slot, those
+    # that came with it in the step that computed it: the four started together
     system = _common_prefix(prompts[0], prompts[1])
     assert all(g.prefill_tokens <= len(p) - system for g, p in zip(batched[1:], prompts[1:]))
+    first = dict(steps[0])
+    assert sorted(first) == [0, 1, 2, 3] and first[0] == len(prompts[0]), steps[0]
+    assert all(first[i] <= len(prompts[i]) - system for i in (1, 2, 3)), steps[0]
     assert max(len(s) for s in steps) >= 5, steps  # they did share steps
     chunked = 0
-    for s in steps:  # prompts come in chunks of at most 64 tokens in all while others decode
-        if any(n == 1 for _slot, n in s):
+    for s in steps:  # while D sequences decode, prompts come in chunks of max(64, 256 / D) tokens in all
+        decoding = sum(n == 1 for _slot, n in s)
+        if decoding:
             prompt_tokens = sum(n for _slot, n in s if n > 1)
-            assert prompt_tokens <= PREFILL_CHUNK_WHILE_DECODING, s
+            assert prompt_tokens <= max(PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET // decoding), s
             chunked += prompt_tokens == PREFILL_CHUNK_WHILE_DECODING
-    assert chunked >= 2, steps  # the long prompt's
+    assert chunked >= 2, steps  # the long prompt's, read beside 4 or more decoding sequences
 
 
 async def test_a_conversation_continues_in_its_slot(gguf_model, tokenizer):
@@ -279,6 +283,24 @@ async def test_a_copied_prompt_start_gives_the_computed_bits(gguf_model, tokeniz
     assert engine.contexts[1] == b
 
 
+async def test_a_prompt_start_copied_in_the_step_that_computes_it(gguf_model, tokenizer):
+    """Two requests that arrive together: the second takes the first's system prompt in the same
+    step, layer by layer once the first has computed it; both get the logits computed alone."""
+    a, b = chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, QUESTIONS[1])
+    n = _common_prefix(a, b)
+    engine = LocalEngine(gguf_model, 256, slots=2)
+    engine.reserve(0, len(a))
+    engine.reserve(1, len(b))
+    engine.share_prefix(0, 1, n, upcoming=a)
+    got_a, got_b = await engine.step([SeqInput(0, a, GREEDY, targets=a[1:] + [0]),
+                                      SeqInput(1, b[n:], GREEDY, targets=b[n + 1:] + [0])])
+    alone = LocalEngine(gguf_model, 256)
+    assert wire(got_a) == wire(await alone.feed(a, GREEDY, targets=a[1:] + [0]))
+    alone.release(0)
+    assert wire(got_b) == wire((await alone.feed(b, GREEDY, targets=b[1:] + [0]))[n:])
+    assert engine.contexts == [a, b]
+
+
 def test_the_default_kv_budget_fits_every_node_s_memory(gguf_model):
     """Without --kv-budget: a whole context per slot where memory allows, else half of what the
     tightest node has left after its weights, and never less than one context."""
@@ -296,11 +318,12 @@ def test_the_default_kv_budget_fits_every_node_s_memory(gguf_model):
     ([], [(0, 1, 32), (1, 2, 32)], "freed or copied into"),
     ([], [(0, 2, 32), (1, 2, 32)], "copied into twice"),
     ([], [(1, 0, 64)], "sized 64 here"),
+    ([], [(1, 0, 32)], "computes positions below"),
 ])
 def test_a_step_s_copies_cannot_chain_or_outgrow_the_budget(free, copies, error):
     """What a worker refuses before touching its caches: a copy from a slot the same step frees or
     copies into, two copies into one slot, a slot sized two ways (each could hold more than the
-    budget for a moment, or read a cache that is gone)."""
+    budget for a moment, or read a cache that is gone), a copy over positions the step computes."""
     from dllama.step import Copy, Seq, Step
     from dllama.wire import InvalidMessage
 

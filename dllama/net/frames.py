@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
-# 5: steps of several sequences, each with its KV cache slot (continuous batching)
+PROTOCOL_VERSION = 6  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
+# 5: steps of several sequences, each with its KV cache slot (continuous batching); 6: a step's
+# copies made layer by layer after its keys and values (a source may compute them in that step)
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16
