@@ -46,6 +46,15 @@ PREFILL_DELAY_BUDGET = 256  # ... and up to this many over the number of decodin
 MIN_SHARE_WAIT = 16  # prompt tokens another request must be about to compute for this one to wait a step
 
 
+def _internal_error(e: BaseException) -> str:
+    return f"internal error: {type(e).__name__}: {e}"
+
+
+def _error_text(e: Exception) -> str:
+    """What a request that failed with e is told: our errors as they are, anything else as a bug."""
+    return str(e) if isinstance(e, DllamaError) else _internal_error(e)
+
+
 class Batcher:
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK_WHILE_DECODING):
         self.engine = engine
@@ -89,7 +98,7 @@ class Batcher:
             if not isinstance(e, asyncio.CancelledError):
                 log.exception("the batching loop failed")
             for s in self.active + list(self.waiting):
-                s.finish(self.engine.stats, "error", f"internal error: {type(e).__name__}: {e}")
+                s.finish(self.engine.stats, "error", _internal_error(e))
             self.active.clear()
             self.waiting.clear()
             self.engine.in_use.clear()
@@ -115,8 +124,7 @@ class Batcher:
                     log.exception("a batched step failed")
                 sources = engine.copy_sources
                 for s in streams:
-                    s.finish(engine.stats, "error", str(e) if isinstance(e, DllamaError) else
-                             f"internal error: {type(e).__name__}: {e}")
+                    s.finish(engine.stats, "error", _error_text(e))
                     self._leave(s)
                     if s.slot not in sources:  # (a pending copy still reads it)
                         engine.release(s.slot)  # its cache's state is unknown after a failure
@@ -133,7 +141,7 @@ class Batcher:
                                                     engine.stats)
                 except Exception as e:  # its sampler or its caller's callback: that request alone fails
                     log.exception("a request failed after a step")
-                    done = s.finish(engine.stats, "error", f"internal error: {type(e).__name__}: {e}")
+                    done = s.finish(engine.stats, "error", _internal_error(e))
                 if done:
                     self._leave(s)
 
@@ -190,8 +198,7 @@ class Batcher:
                 if not isinstance(e, DllamaError):
                     log.exception("re-admitting workers failed")
                 for s in admitted:
-                    s.finish(self.engine.stats, "error", str(e) if isinstance(e, DllamaError) else
-                             f"internal error: {type(e).__name__}: {e}")
+                    s.finish(self.engine.stats, "error", _error_text(e))
                     self._leave(s)
 
     def _place(self, s: Stream) -> bool:
