@@ -14,6 +14,10 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
 
@@ -145,6 +149,25 @@ class GGUFFile:
         return n // block * size
 
     # ------------------------------------------------------------------ tensor data
+
+    def maps(self, view: np.ndarray) -> bool:
+        """Whether `view`'s bytes are in this file's map."""
+        base = np.frombuffer(self._map, np.uint8).__array_interface__["data"][0]
+        low, high = byte_bounds(view)
+        return base <= low and high <= base + len(self._map)
+
+    def release(self, view: np.ndarray) -> None:
+        """Drop this process's resident pages of the map under `view` (the whole pages it alone
+        spans): for a tensor copied into RAM, so that RAM holds it once. A later read of the view
+        pages it in again."""
+        if not self.maps(view):
+            raise ValueError("release: not a view of this file's map")
+        base = np.frombuffer(self._map, np.uint8).__array_interface__["data"][0]
+        low, high = byte_bounds(view)
+        start = -(-(low - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (high - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def data(self, name: str) -> np.ndarray:
         """The tensor's bytes as an array view of the map: (rows..., cols) of the element type for

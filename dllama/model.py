@@ -63,14 +63,24 @@ class ShardWeights:
 
     @classmethod
     def from_gguf(cls, model: GGUFModel, shard: Shard, mode: str = "reduce") -> "ShardWeights":
-        """Views of this shard's slices in the (memory-mapped) file; nothing is copied for native
-        types, except column slices (reduce mode's Wo and W2 on a node of several): read from the
-        map, every row's part is a jump away from the last, which defeats the CPU's prefetching
-        (5.3 vs 14-16 GB/s on a 1B model's W2), so they are packed once into RAM of their size."""
-        tensors = dict(shard_tensors(model, shard, mode))
-        for name, t in tensors.items():
-            if isinstance(t, (Matrix, Experts)) and t.data.strides[-2] != t.data.shape[-1] * t.data.itemsize:
-                tensors[name] = t.contiguous()  # rows with gaps between them (a row slice of experts has none)
+        """This shard's slices of the (memory-mapped) file. The matrices of the 32-value block
+        formats are packed into RAM for the kernels (kernels/packing.py), one at a time, each
+        releasing its pages of the map, so RAM holds the weights once (not those converted on load:
+        the model keeps the converted copy, and a second would double them); other native types stay
+        views of the map, except column slices (reduce mode's Wo and W2 on a node of several):
+        read from the map, every row's part is a jump away from the last, which defeats the CPU's
+        prefetching (5.3 vs 14-16 GB/s on a 1B model's W2), so they are copied once into RAM."""
+        tensors = {}
+        for name, t in shard_tensors(model, shard, mode):
+            if isinstance(t, Matrix) and model.file.maps(t.data):
+                packed = packed_for_kernels(name, t)
+                if packed is not t:
+                    model.file.release(t.data)
+                    t = packed
+            if isinstance(t, (Matrix, Experts)) and isinstance(t.data, np.ndarray) \
+                    and t.data.strides[-2] != t.data.shape[-1] * t.data.itemsize:
+                t = t.contiguous()  # rows with gaps between them (a row slice of experts has none)
+            tensors[name] = t
         return cls.from_tensors(tensors)
 
     @classmethod
@@ -96,6 +106,12 @@ class ShardWeights:
             for value in vars(layer).values():
                 total += 0 if value is None else value.nbytes
         return total
+
+
+def packed_for_kernels(name: str, tensor):
+    """A weight matrix as the kernels read it fastest (`Matrix.packed`); anything else, and the
+    expert stacks (sliced per expert, kernels per expert matrix), as it is."""
+    return tensor.packed() if isinstance(tensor, Matrix) and not name.endswith("_exps") else tensor
 
 
 # shard_tensors' names of a layer's parts -> LayerWeights fields

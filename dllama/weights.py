@@ -7,20 +7,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kernels.matmul import matmul
+from .kernels.packing import PACKABLE, PackedRows
 from .quant import FORMATS, QType, dequantize
 
 
 @dataclass(frozen=True)
 class Matrix:
     """W of shape (rows, cols): y = W @ x. `data` is (rows, row_bytes) uint8 for block formats,
-    (rows, cols) float16/float32 otherwise; it may be a view into a memory-mapped GGUF file."""
+    (rows, cols) float16/float32 otherwise; it may be a view into a memory-mapped GGUF file. Or,
+    once a node has its slice, the rows packed for the kernels (`packed()`): then it is not cut."""
 
     qtype: QType
     rows: int
     cols: int
-    data: np.ndarray
+    data: np.ndarray | PackedRows
 
     def __post_init__(self):
+        if isinstance(self.data, PackedRows):
+            if self.data.rows != self.rows or self.data.qtype != self.qtype:
+                raise ValueError(f"packed rows of {self.data.rows} x {self.data.qtype.name} for {self.rows} x "
+                                 f"{QType(self.qtype).name}")
+            return
         if self.data.ndim != 2 or self.data.shape[0] != self.rows:
             raise ValueError(f"matrix data of shape {self.data.shape} does not hold {self.rows} rows")
         if self.data.strides[1] != self.data.itemsize:
@@ -32,16 +39,28 @@ class Matrix:
 
     def row_slice(self, start: int, stop: int) -> "Matrix":
         """Rows [start, stop): a view."""
-        return Matrix(self.qtype, stop - start, self.cols, self.data[start:stop])
+        return Matrix(self.qtype, stop - start, self.cols, self._stored()[start:stop])
 
     def col_slice(self, start: int, stop: int) -> "Matrix":
         """Columns [start, stop), on block boundaries: a strided view (each row stays contiguous)."""
         b0, b1 = _column_range(self.qtype, start, stop)
-        return Matrix(self.qtype, self.rows, stop - start, self.data[:, b0:b1])
+        return Matrix(self.qtype, self.rows, stop - start, self._stored()[:, b0:b1])
 
     def contiguous(self) -> "Matrix":
         """A compact in-RAM copy (for sending, or to drop a reference into a file map)."""
-        return Matrix(self.qtype, self.rows, self.cols, np.ascontiguousarray(self.data))
+        return Matrix(self.qtype, self.rows, self.cols, np.ascontiguousarray(self._stored()))
+
+    def packed(self) -> "Matrix":
+        """This matrix with its rows packed for the kernels (kernels/packing.py: a copy in RAM, the
+        same products bit for bit, faster from DRAM) where its format has a packed kernel; else itself."""
+        if self.qtype not in PACKABLE or isinstance(self.data, PackedRows):
+            return self
+        return Matrix(self.qtype, self.rows, self.cols, PackedRows.pack(self.data, self.qtype))
+
+    def _stored(self) -> np.ndarray:
+        if isinstance(self.data, PackedRows):
+            raise ValueError("a packed matrix is not cut or sent: slice it before packing")
+        return self.data
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None, wide: bool = False) -> np.ndarray:
         """x (T, cols) or (cols,) -> (T, rows) or (rows,); float64 if wide (see kernels.matmul)."""
@@ -49,6 +68,8 @@ class Matrix:
 
     def row_values(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows (an embedding lookup): float32 (len(index), cols)."""
+        if isinstance(self.data, PackedRows):
+            return dequantize(self.data.unpack(index), self.qtype)
         return dequantize(np.ascontiguousarray(self.data[index]), self.qtype)
 
 

@@ -17,6 +17,7 @@ from dllama.config import RopeScaling
 from dllama.kernels.activations import Activations, Q8Activations, Q8KActivations, round_f16
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import matmul, matmul_ref
+from dllama.kernels.packing import PACKABLE
 from dllama.kernels.ops import (expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
                                 silu_mul_ref, softcap)
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
@@ -488,6 +489,41 @@ def test_attention_rows_do_not_depend_on_the_batch(D):
     np.testing.assert_array_equal(attention(q[5:12], k, v, kv_of_head, start + 5), batched[5:12])
 
 
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_packed_rows_give_the_stored_rows_bits(qtype):
+    """Rows packed 4 or 8 to a group (kernels/packing.py) give every (row, token) the bits of the
+    file's layout: decode strips, prefill tiles with strips for the tokens left, float64, and a
+    last group padded (row counts not multiples of the group); unpacking gives the rows back."""
+    from dllama.kernels.packing import PackedRows
+
+    for rows in (1, 5, 8, 13, 35):
+        w = weight_matrix(qtype, rows, 320, seed=rows)
+        packed = PackedRows.pack(w.data, qtype)
+        assert packed.groups.shape[0] == -(-rows // packed.rows_per_group)
+        np.testing.assert_array_equal(packed.unpack(), w.data)
+        np.testing.assert_array_equal(packed.unpack([rows - 1, 0]), w.data[[rows - 1, 0]])
+        for T in (1, 2, 3, 4, 5, 9, 17):
+            x = activations(T, 320, seed=T)
+            for wide in (False, True):
+                ours = matmul(packed, qtype, x, wide=wide)
+                assert ours.shape == (T, rows)
+                np.testing.assert_array_equal(ours, matmul(w.data, qtype, x, wide=wide),
+                                              err_msg=f"{rows} rows, {T} tokens, wide={wide}")
+
+
+def test_a_packed_matrix_is_not_cut():
+    """Slices are cut from the file's layout before packing; cutting a packed one is an error, not
+    a wrong slice; formats without a packed kernel stay as they are."""
+    w = weight_matrix(QType.Q4_0, 16, 256, seed=1)
+    packed = w.packed()
+    for cut in (lambda: packed.row_slice(0, 8), lambda: packed.col_slice(0, 128), packed.contiguous):
+        with pytest.raises(ValueError, match="packed"):
+            cut()
+    np.testing.assert_array_equal(packed.row_values(np.array([3, 15])), w.row_values(np.array([3, 15])))
+    f16 = weight_matrix(QType.F16, 4, 64, seed=2)
+    assert f16.packed() is f16 and packed.packed() is packed
+
+
 def test_q8_activations_assembled_column_major_give_the_same_product():
     """A Q8 gather with empty parts once produced column-major scale arrays, which the kernel read
     as rows (3-10x off): Q8Activations keeps its arrays row-major whatever it is given."""
@@ -502,13 +538,15 @@ def test_q8_activations_assembled_column_major_give_the_same_product():
 
 _PRODUCTS_SCRIPT = """
 import sys, numpy as np
-from tests.test_kernels import QUANTIZED, activations, weight_matrix
+from tests.test_kernels import PACKABLE, QUANTIZED, activations, weight_matrix
 from dllama.kernels.matmul import matmul
 from dllama.kernels.simd import X86_32_REGISTERS, X86_VNNI
 assert not X86_VNNI and not X86_32_REGISTERS
 np.savez(sys.argv[1], **{f"{q.name}-{wide}": matmul(weight_matrix(q, 11, 512, seed=9).data, q,
                                                     activations(9, 512, seed=10), wide=wide)
-                         for q in QUANTIZED for wide in (False, True)})
+                         for q in QUANTIZED for wide in (False, True)},
+         **{f"{q.name}-packed": matmul(weight_matrix(q, 11, 512, seed=9).packed().data, q, activations(9, 512, seed=10))
+            for q in PACKABLE})
 """
 
 
@@ -531,6 +569,8 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
         for wide in (False, True):
             ours = matmul(weight_matrix(q, 11, 512, seed=9).data, q, activations(9, 512, seed=10), wide=wide)
             np.testing.assert_array_equal(ours, avx2[f"{q.name}-{wide}"], err_msg=f"{q.name} wide={wide}")
+    for q in PACKABLE:  # the packed rows' strips and tiles (2 rows at a time with AVX2)
+        np.testing.assert_array_equal(avx2[f"{q.name}-packed"], avx2[f"{q.name}-False"], err_msg=f"{q.name} packed")
 
 
 def test_quantized_dots_use_sdot_on_aarch64():

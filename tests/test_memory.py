@@ -1,5 +1,6 @@
-"""Memory: weights run straight off the memory map, so opening the default model and running it
-costs about the file's size in RSS, not a float copy of it (measured in a fresh subprocess)."""
+"""Memory: weights run straight off the memory map, or packed into RAM in place of its pages, so
+opening the default model and running it costs about the file's size in RSS, not a float copy of
+it nor two copies (measured in a fresh subprocess)."""
 
 from __future__ import annotations
 
@@ -56,23 +57,46 @@ def test_rss_growth_is_about_the_file_size(model_path, synthetic_model):
     assert opened <= 0.1 * size  # opening reads the header, not the vocabulary or the weights
 
 
-def test_column_slices_are_packed_and_whole_matrices_stay_in_the_map(gguf_model):
-    """Reduce mode's Wo and W2 column slices are copied into compact rows once (read from the map
-    their parts are strided, which defeats prefetching: 2-3x slower); everything else, and the
-    1-node shard, stays a view of the memory-mapped file."""
+def test_block_format_matrices_are_packed_into_ram_with_the_same_rows(gguf_model):
+    """The 32-value block formats' matrices are packed (kernels/packing.py), whole or cut: a copy
+    in RAM (the map's pages released: the RSS test above counts them once) holding the slice's
+    rows exactly; the embedding lookup still reads the map."""
+    from dllama.kernels.packing import PackedRows
     from dllama.model import ShardWeights
     from dllama.plan import Plan
 
     mapped = gguf_model.file.data("blk.0.ffn_down.weight")
     alone = ShardWeights.from_gguf(gguf_model, Plan.single(gguf_model.config).shards[0])
-    assert np.shares_memory(alone.layers[0].w_down.data, mapped)
+    w_down = alone.layers[0].w_down.data
+    assert isinstance(w_down, PackedRows) and not np.shares_memory(w_down.groups, mapped)
+    np.testing.assert_array_equal(w_down.unpack(), mapped)
     node0 = ShardWeights.from_gguf(gguf_model, Plan.split(gguf_model.config, [1, 1]).shards[0], "reduce")
     layer = node0.layers[0]
-    for packed in (layer.w_down, layer.wo):
-        assert packed.data.flags.c_contiguous and not np.shares_memory(packed.data, mapped)
-    np.testing.assert_array_equal(layer.w_down.data, gguf_model.matrix("blk.0.ffn_down.weight").col_slice(
+    np.testing.assert_array_equal(layer.w_down.data.unpack(), gguf_model.matrix("blk.0.ffn_down.weight").col_slice(
         0, layer.w_down.cols).data)
-    assert np.shares_memory(layer.w_gate.data, gguf_model.file.data("blk.0.ffn_gate.weight"))  # rows: a view
+    np.testing.assert_array_equal(layer.w_gate.data.unpack(), gguf_model.matrix("blk.0.ffn_gate.weight").row_slice(
+        0, layer.w_gate.rows).data)
+    assert np.shares_memory(gguf_model.matrix("token_embd.weight").data, gguf_model.file.data("token_embd.weight"))
+
+
+def test_other_formats_stay_in_the_map_and_their_column_slices_are_copied(synthetic_model):
+    """Without a packed kernel (F16 here), whole matrices and row slices stay views of the map;
+    reduce mode's Wo and W2 column slices are copied into compact rows once (read from the map
+    their parts are strided, which defeats prefetching: 2-3x slower)."""
+    from dllama.gguf_model import GGUFModel
+    from dllama.model import ShardWeights
+    from dllama.plan import Plan
+
+    model = GGUFModel(synthetic_model("F16"))
+    mapped = model.file.data("blk.0.ffn_down.weight")
+    alone = ShardWeights.from_gguf(model, Plan.single(model.config).shards[0])
+    assert np.shares_memory(alone.layers[0].w_down.data, mapped)
+    layer = ShardWeights.from_gguf(model, Plan.split(model.config, [1, 1]).shards[0], "reduce").layers[0]
+    for copied in (layer.w_down, layer.wo):
+        assert copied.data.flags.c_contiguous and not np.shares_memory(copied.data, mapped)
+    np.testing.assert_array_equal(layer.w_down.data, model.matrix("blk.0.ffn_down.weight").col_slice(
+        0, layer.w_down.cols).data)
+    assert np.shares_memory(layer.w_gate.data, model.file.data("blk.0.ffn_gate.weight"))  # rows: a view
 
 
 def test_expert_rows_stay_in_the_map_and_their_column_slices_are_packed(synthetic_model):

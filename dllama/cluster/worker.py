@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import DllamaError, NetworkError, PeerTimeout
-from ..model import ShardModel, ShardWeights
+from ..model import ShardModel, ShardWeights, packed_for_kernels
 from ..step import NodeStep, Step
 from ..wire import InvalidMessage
 from ..net import ConnectionInbox, Listener
@@ -218,7 +218,7 @@ class _Session:
         for e in setup.manifest:  # a cached slice is used only if its bytes still match its checksum
             cached = self.worker.cache.load_verified(e)
             if cached is not None:
-                tensors[e.name] = from_bytes(e, cached, e.name in vectors)
+                tensors[e.name] = packed_for_kernels(e.name, from_bytes(e, cached, e.name in vectors))
         missing = [e for e in setup.manifest if e.name not in tensors]
         await conn.send_msg(P.NEED, M.to_wire(M.Need([e.name for e in missing])))
         for e in missing:
@@ -228,7 +228,7 @@ class _Session:
             if checksum(raw) != e.sha256:
                 raise DllamaError(f"tensor {e.name} arrived corrupted (checksum mismatch)")
             self.worker.cache.store(e, raw)
-            tensors[e.name] = from_bytes(e, raw, e.name in vectors)
+            tensors[e.name] = packed_for_kernels(e.name, from_bytes(e, raw, e.name in vectors))
         weights = ShardWeights.from_tensors(tensors)
         model = ShardModel(config, shard, weights, setup.ctx_size, projection, setup.slots, setup.kv_positions)
         log.info("session %s: %d tensors (%d from cache), %.1f MB of weights", self.session_id, len(setup.manifest),

@@ -19,7 +19,8 @@ from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
-from .simd_q8 import (TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
+from .packing import PackedRows
+from .simd_q8 import (PACKED, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
                       dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
                       dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
                       tile_q5_1_q8, tile_q8_0_q8)
@@ -101,6 +102,106 @@ def _tiled_products(dot, tile, w, fmt, wide, xq, xd, xs, out):
 def _mm_quant(w, fmt, wide, xq, xd, xds, out):
     """Quantized weights against Q8 activations; wide: float64 accumulation (out is float64)."""
     _tiled_products(_dot_quant, _tile_quant, w, fmt, wide, xq, xd, xds, out)
+
+
+# the same products over packed rows (packing.py), 4 or 8 to a group; same bits as above
+strip_q4_0, strip_q4_0_wide, tile_q4_0_packed = PACKED["q4_0"]
+strip_q4_1, strip_q4_1_wide, tile_q4_1_packed = PACKED["q4_1"]
+strip_q8_0, strip_q8_0_wide, tile_q8_0_packed = PACKED["q8_0"]
+strip_q5_0, strip_q5_0_wide, tile_q5_0_packed = PACKED["q5_0"]
+strip_q5_1, strip_q5_1_wide, tile_q5_1_packed = PACKED["q5_1"]
+strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed = PACKED["iq4_nl"]
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip(wp, fmt, g, xq, xd, xs, t, out, col):
+    if fmt == _Q4_1:
+        strip_q4_1(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q4_0:
+        strip_q4_0(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_0:
+        strip_q5_0(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_1:
+        strip_q5_1(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _IQ4_NL:
+        strip_iq4_nl(wp, g, 0, xq, xd, xs, t, out, col)
+    else:
+        strip_q8_0(wp, g, 0, xq, xd, xs, t, out, col)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip_wide(wp, fmt, g, xq, xd, xs, t, out, col):
+    if fmt == _Q4_1:
+        strip_q4_1_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q4_0:
+        strip_q4_0_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_0:
+        strip_q5_0_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_1:
+        strip_q5_1_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _IQ4_NL:
+        strip_iq4_nl_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    else:
+        strip_q8_0_wide(wp, g, 0, xq, xd, xs, t, out, col)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
+    if fmt == _Q4_1:
+        tile_q4_1_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _Q4_0:
+        tile_q4_0_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_0:
+        tile_q5_0_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_1:
+        tile_q5_1_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _IQ4_NL:
+        tile_iq4_nl_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    else:
+        tile_q8_0_packed(wp, g, i0, xq, xd, xs, t, out, col)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_packed(wp, rows, n, fmt, xq, xd, xs, out):
+    """_mm_quant over rows packed by n: per group of n rows, tiles of tokens, then one strip (the
+    group's rows x 1 token) per token left; the padded last group through a scratch row."""
+    T = xq.shape[0]
+    whole = rows // n
+    tiled_tokens = T - T % TILE_TOKENS
+    for g in prange(wp.shape[0]):
+        col = g * n
+        if g < whole:
+            for t in range(0, tiled_tokens, TILE_TOKENS):
+                for i0 in range(0, n, TILE_ROWS):
+                    _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col + i0)
+            for t in range(tiled_tokens, T):
+                _strip(wp, fmt, g, xq, xd, xs, t, out, col)
+        else:
+            edge = np.empty((T, n), np.float32)
+            for t in range(T):
+                _strip(wp, fmt, g, xq, xd, xs, t, edge, 0)
+            for t in range(T):
+                for i in range(rows - col):
+                    out[t, col + i] = edge[t, i]
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_packed_wide(wp, rows, n, fmt, xq, xd, xs, out):
+    """_mm_packed accumulated in float64 (out float64), one strip per token."""
+    T = xq.shape[0]
+    whole = rows // n
+    for g in prange(wp.shape[0]):
+        col = g * n
+        if g < whole:
+            for t in range(T):
+                _strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
+        else:
+            edge = np.empty((T, n), np.float64)
+            for t in range(T):
+                _strip_wide(wp, fmt, g, xq, xd, xs, t, edge, 0)
+            for t in range(T):
+                for i in range(rows - col):
+                    out[t, col + i] = edge[t, i]
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -219,9 +320,11 @@ _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.
                  QType.IQ4_NL: _IQ4_NL}
 
 
-def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: bool = False) -> np.ndarray:
-    """out = x @ W.T for W (rows, cols) in a native format; x is (T, cols) or (cols,) float32, or
-    an `Activations`. The result is (T, rows), or (rows,) for a 1-D x.
+def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None = None,
+           wide: bool = False) -> np.ndarray:
+    """out = x @ W.T for W (rows, cols) in a native format, as stored or packed (`PackedRows`, of
+    qtype); x is (T, cols) or (cols,) float32, or an `Activations`. The result is (T, rows), or
+    (rows,) for a 1-D x.
     wide: accumulate and return float64, so that partial sums over column slices add up to the
     whole product up to float64 rounding (the exact reduction mode of the cluster)."""
     if not isinstance(x, Activations):
@@ -229,9 +332,15 @@ def matmul(w: np.ndarray, qtype: QType, x, out: np.ndarray | None = None, wide: 
             return matmul(w, qtype, Activations(x), None if out is None else out[None, :], wide)[0]
         x = Activations(x)
     if out is None:
-        out = np.empty((x.tokens, w.shape[0]), np.float64 if wide else np.float32)
+        rows = w.rows if isinstance(w, PackedRows) else w.shape[0]
+        out = np.empty((x.tokens, rows), np.float64 if wide else np.float32)
     elif out.strides[-1] != out.itemsize:  # a prefill tile writes each token's row as contiguous values
         raise ValueError("matmul's out must have contiguous rows")
+    if isinstance(w, PackedRows):
+        a = x.q8
+        kernel = _mm_packed_wide if wide else _mm_packed
+        kernel(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
+        return out
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)

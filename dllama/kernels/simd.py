@@ -207,22 +207,28 @@ def row_ptr(context, builder, array_type, array, row):
     return builder.gep(base, [builder.mul(row, stride)])
 
 
-def tile_operands(context, builder, signature, args, sums_type: ir.Type, n_rows: int, n_tokens: int):
-    """The operands of tile(w, r, xq, xd, xs, t, ...): pointers to rows r .. r+n_rows-1 of w; for
-    each of tokens t .. t+n_tokens-1 its (values, scales, sums) row pointers; the number of blocks."""
-    w_arr, row, xq_arr, xd_arr, xs_arr, tok = args[:6]
-    ty = signature.args
-    row = context.cast(builder, row, ty[1], types.intp)
-    tok = context.cast(builder, tok, ty[5], types.intp)
-    w_ptrs = [row_ptr(context, builder, ty[0], w_arr, builder.add(row, ir.Constant(I64, i))) for i in range(n_rows)]
+def _token_operands(context, builder, arg_types, values, sums_type: ir.Type, n_tokens: int):
+    """For activations (xq, xd, xs, t): each of tokens t .. t+n_tokens-1's (values, scales, sums)
+    row pointers, and the number of blocks."""
+    xq_arr, xd_arr, xs_arr, tok = values
+    tok = context.cast(builder, tok, arg_types[3], types.intp)
     x_rows = []
     for j in range(n_tokens):
         t = builder.add(tok, ir.Constant(I64, j))
-        x_rows.append((row_ptr(context, builder, ty[2], xq_arr, t),
-                       builder.bitcast(row_ptr(context, builder, ty[3], xd_arr, t), F32.as_pointer()),
-                       builder.bitcast(row_ptr(context, builder, ty[4], xs_arr, t), sums_type.as_pointer())))
-    n_blocks = builder.extract_value(context.make_array(ty[3])(context, builder, xd_arr).shape, 1)
-    return w_ptrs, x_rows, n_blocks
+        x_rows.append((row_ptr(context, builder, arg_types[0], xq_arr, t),
+                       builder.bitcast(row_ptr(context, builder, arg_types[1], xd_arr, t), F32.as_pointer()),
+                       builder.bitcast(row_ptr(context, builder, arg_types[2], xs_arr, t), sums_type.as_pointer())))
+    n_blocks = builder.extract_value(context.make_array(arg_types[1])(context, builder, xd_arr).shape, 1)
+    return x_rows, n_blocks
+
+
+def tile_operands(context, builder, signature, args, sums_type: ir.Type, n_rows: int, n_tokens: int):
+    """The operands of tile(w, r, xq, xd, xs, t, ...): pointers to rows r .. r+n_rows-1 of w; for
+    each of tokens t .. t+n_tokens-1 its (values, scales, sums) row pointers; the number of blocks."""
+    ty = signature.args
+    row = context.cast(builder, args[1], ty[1], types.intp)
+    w_ptrs = [row_ptr(context, builder, ty[0], args[0], builder.add(row, ir.Constant(I64, i))) for i in range(n_rows)]
+    return (w_ptrs, *_token_operands(context, builder, ty[2:6], args[2:6], sums_type, n_tokens))
 
 
 def store_tile(context, builder, signature, args, totals):
@@ -269,3 +275,43 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
 
     tile_typer.__name__ = f"tile_{fmt}_{suffix}"
     return dot(False), dot(True), intrinsic(tile_typer)
+
+
+def packed_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, block_bytes: int, pack: int,
+                      tile_shape: tuple[int, int]):
+    """The intrinsics (strip, strip_wide, tile) of one weight format in rows interleaved by `pack`
+    (kernels/packing.py: row g of wp holds rows pack*g .. pack*g+pack-1, block after block, the pack
+    rows' blocks side by side), named strip_<fmt>_<suffix>, ...:
+    strip(wp, g, i0, xq, xd, xs, t, out, col): out[t, col + i] = the dot of row pack*g + i with
+    activation row t, for i < pack (i0 is 0); strip_wide the same in float64 (out float64);
+    tile(wp, g, i0, xq, xd, xs, t, out, col): out[t + j, col + i] = the dot of row pack*g + i0 + i
+    with activation row t + j for (i, j) < tile_shape. Every pair is summed as by block_intrinsics'
+    dot (its own accumulators, the one-pair order), so the bits do not depend on the layout either;
+    the layout makes a group of rows one sequential stream of memory."""
+
+    def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
+        def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):
+            def codegen(context, builder, signature, args):
+                ty = signature.args
+                group = context.cast(builder, args[1], ty[1], types.intp)
+                first = builder.mul(context.cast(builder, args[2], ty[2], types.intp), ir.Constant(I64, block_bytes))
+                base = builder.gep(row_ptr(context, builder, ty[0], args[0], group), [first])
+                w_ptrs = [builder.gep(base, [ir.Constant(I64, i * block_bytes)]) for i in range(n_rows)]
+                x_rows, n_blocks = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
+                totals = emit_dots(builder, fmt, acc_t, w_ptrs, x_rows, n_blocks, pack * block_bytes)
+                tok = context.cast(builder, args[6], ty[6], types.intp)
+                col = context.cast(builder, args[8], ty[8], types.intp)
+                for j in range(n_tokens):
+                    out_row = row_ptr(context, builder, ty[7], args[7], builder.add(tok, ir.Constant(I64, j)))
+                    out_row = builder.bitcast(out_row, acc_t.as_pointer())
+                    for i in range(n_rows):
+                        builder.store(totals[i][j], builder.gep(out_row, [builder.add(col, ir.Constant(I64, i))]))
+                return context.get_dummy_value()
+
+            return types.void(wp, g, i0, xq, xd, xs, t, out, col), codegen
+
+        typer.__name__ = name
+        return intrinsic(typer)
+
+    return (build(pack, 1, F32, f"strip_{fmt}_{suffix}"), build(pack, 1, F64, f"strip_{fmt}_{suffix}_wide"),
+            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"))

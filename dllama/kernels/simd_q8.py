@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_32_REGISTERS, X86_VNNI, block_intrinsics, const_vec,
-                   fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, quad_dot, splat, vec)
+                   fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
 
 # Byte layout of each native block format: (bytes per block, offset of the quants); Q5's fifth
 # bits (one uint32 per block) sit just before the quants
@@ -55,9 +55,10 @@ def _unpack(builder, fmt: str, w_ptr, block, biased: bool):
     return quants, d_w, m_w
 
 
-def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
-    """IR of the dot of every weight row (pointers w_ptrs) with every activation row (x_rows:
-    pointers to its values, block scales and block d*sums) -> totals[row][token]. Each pair has
+def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks, block_stride: int | None = None):
+    """IR of the dot of every weight row (pointers w_ptrs; a row's blocks block_stride bytes apart,
+    default one block: rows as stored) with every activation row (x_rows: pointers to its values,
+    block scales and block d*sums) -> totals[row][token]. Each pair has
     its own accumulators, added to in the same order as when it is alone, so a pair's bits do
     not depend on the tile it is computed in (batch invariance); the tile shares the unpacking of
     each weight block among its tokens and each activation block among its rows."""
@@ -78,7 +79,7 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
 
     with cgutils.for_range(builder, n_blocks) as loop:
         b = loop.index
-        block = builder.mul(b, ir.Constant(I64, block_bytes))
+        block = builder.mul(b, ir.Constant(I64, block_stride or block_bytes))
         weights = [_unpack(builder, fmt, w_ptr, block, biased) for w_ptr in w_ptrs]
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
@@ -125,3 +126,11 @@ dot_q8_0_q8, dot_q8_0_q8_wide, tile_q8_0_q8 = block_intrinsics(_emit_dots, "q8_0
 dot_iq4_nl_q8, dot_iq4_nl_q8_wide, tile_iq4_nl_q8 = block_intrinsics(_emit_dots, "iq4_nl", "q8", F32, TILE)
 dot_q5_0_q8, dot_q5_0_q8_wide, tile_q5_0_q8 = block_intrinsics(_emit_dots, "q5_0", "q8", F32, TILE)
 dot_q5_1_q8, dot_q5_1_q8_wide, tile_q5_1_q8 = block_intrinsics(_emit_dots, "q5_1", "q8", F32, TILE)
+
+# The same in rows packed by PACK_ROWS[fmt] (kernels/packing.py): strip = PACK_ROWS rows x 1 token (the
+# decode matvec: PACK_ROWS independent chains of multiply-adds over one sequential stream), strip_wide
+# in float64, tile_..._packed = TILE rows x tokens. 8 rows where their 8 chains fit the registers
+# (Zen 4, 1 core, from DRAM: Q4_0 1.35x one row at a time, Q4_1 0.77x: spills), 4 elsewhere.
+PACK_ROWS = {"q4_0": 8, "q4_1": 4, "q8_0": 4, "q5_0": 8, "q5_1": 4, "iq4_nl": 8}
+assert all(n % TILE_ROWS == 0 for n in PACK_ROWS.values())
+PACKED = {fmt: packed_intrinsics(_emit_dots, fmt, "q8", F32, _BLOCK[fmt][0], PACK_ROWS[fmt], TILE) for fmt in _BLOCK}

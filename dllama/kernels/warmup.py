@@ -2,8 +2,8 @@
 chat after installing does not wait for the JIT: `python -m dllama.kernels.warmup`.
 
 A kernel is compiled once per argument type: weights are read-only views of a GGUF map on the
-root (C-contiguous whole matrices, strided column slices) and read-only received slices on
-workers; activations are writable arrays.
+root (C-contiguous whole matrices, strided column slices), read-only received slices on
+workers, or rows packed in RAM (kernels/packing.py); activations are writable arrays.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from . import ops
 from .activations import Activations
 from .attention import attention
 from .matmul import matmul
+from .packing import PACKABLE, PackedRows
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -39,6 +40,9 @@ def warm_up(verbose: bool = False) -> float:
                 x = Activations(rng.standard_normal((T, cols), dtype=np.float32))
                 matmul(w, qtype, x)
                 matmul(w, qtype, x, wide=True)
+                if qtype in PACKABLE and w is data:  # as every node holds these formats
+                    matmul(PackedRows.pack(w, qtype), qtype, x)
+                    matmul(PackedRows.pack(w, qtype), qtype, x, wide=True)
         if verbose:
             print(f"  {qtype.name} matmul ready", file=sys.stderr)
     x = rng.standard_normal((3, 128), dtype=np.float32)

@@ -1,0 +1,75 @@
+"""A block-format weight matrix with its rows interleaved by 4 or 8, made once at load.
+
+Decode reads every weight once per token from DRAM. One row after another, each row's dot is one
+chain of fused multiply-adds (GGML's order), bound by the FMA's latency, not by memory: ~13 GB/s
+on Q4_0 on one Zen 4 core. Four rows at once make four independent chains, but four rows of the
+file's layout are four short streams, which the hardware prefetcher does not follow (measured 2x
+slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
+ng .. ng+n-1 side by side, then block b+1, so that n rows are one sequential stream (Q4_0, n = 8:
+~17 GB/s).
+Each row's blocks are still summed in their order, into their own accumulators: the bits are the
+file layout's (simd.py `packed_intrinsics`).
+
+The copy replaces the file's pages in RAM (the loader releases them), so a node holds the weights
+once. The last group is padded with zero blocks when the rows are not a multiple of n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..quant import FORMATS, QType
+from .simd_q8 import PACK_ROWS
+
+# the 32-value block formats the packed kernels cover (matmul.py); K-quants and floats stay in rows
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)
+
+
+def rows_per_group(qtype: QType) -> int:
+    return PACK_ROWS[QType(qtype).name.lower()]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """groups[g] = rows n*g .. n*g + n-1 (n = rows_per_group), block-interleaved; `rows` real rows."""
+
+    qtype: QType
+    rows: int
+    groups: np.ndarray  # (ceil(rows / n), blocks * n * block bytes) uint8
+
+    @classmethod
+    def pack(cls, data: np.ndarray, qtype: QType) -> "PackedRows":
+        """From (rows, row bytes) uint8 in the file's layout (any row stride)."""
+        if qtype not in PACKABLE:
+            raise ValueError(f"{QType(qtype).name} rows are not packed")
+        rows, row_bytes = data.shape
+        block_bytes = FORMATS[qtype].block_bytes
+        n, blocks = rows_per_group(qtype), row_bytes // block_bytes
+        n_groups = -(-rows // n)
+        packed = np.zeros((n_groups, blocks, n, block_bytes), np.uint8)
+        for g0 in range(0, n_groups, 128):  # (row, block, byte) -> (block, row, byte), 128 groups at a time
+            part = data[g0 * n:(g0 + 128) * n].reshape(-1, blocks, block_bytes)
+            whole = len(part) // n
+            packed[g0:g0 + whole] = part[:whole * n].reshape(whole, n, blocks, block_bytes).transpose(0, 2, 1, 3)
+            if len(part) % n:  # the last group, padded
+                packed[g0 + whole, :, :len(part) % n] = part[whole * n:].transpose(1, 0, 2)
+        return cls(QType(qtype), rows, packed.reshape(n_groups, n * row_bytes))
+
+    @property
+    def rows_per_group(self) -> int:
+        return rows_per_group(self.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups.nbytes
+
+    def unpack(self, index: np.ndarray | None = None) -> np.ndarray:
+        """Rows `index` (default all) in the file's layout: (len, row bytes) uint8."""
+        index = np.arange(self.rows) if index is None else np.asarray(index)
+        if index.size and (index.min() < 0 or index.max() >= self.rows):
+            raise IndexError(f"row index out of range for {self.rows} rows")
+        n, block_bytes = self.rows_per_group, FORMATS[self.qtype].block_bytes
+        blocks = self.groups.reshape(self.groups.shape[0], -1, n, block_bytes)
+        return np.ascontiguousarray(blocks[index // n, :, index % n]).reshape(len(index), -1)
