@@ -58,6 +58,10 @@ class PackedRows:
         return cls(QType(qtype), rows, packed.reshape(n_groups, n * row_bytes))
 
     @property
+    def row_bytes(self) -> int:
+        return self.groups.shape[1] // self.rows_per_group
+
+    @property
     def rows_per_group(self) -> int:
         return rows_per_group(self.qtype)
 
@@ -67,9 +71,9 @@ class PackedRows:
 
     def unpack(self, index: np.ndarray | None = None) -> np.ndarray:
         """Rows `index` (default all) in the file's layout: (len, row bytes) uint8."""
-        index = np.arange(self.rows) if index is None else np.asarray(index)
+        index = np.arange(self.rows) if index is None else np.asarray(index, np.int64)
         if index.size and (index.min() < 0 or index.max() >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
         n, block_bytes = self.rows_per_group, FORMATS[self.qtype].block_bytes
-        blocks = self.groups.reshape(self.groups.shape[0], -1, n, block_bytes)
-        return np.ascontiguousarray(blocks[index // n, :, index % n]).reshape(len(index), -1)
+        blocks = self.groups.reshape(self.groups.shape[0], self.row_bytes // block_bytes, n, block_bytes)
+        return np.ascontiguousarray(blocks[index // n, :, index % n]).reshape(len(index), self.row_bytes)
