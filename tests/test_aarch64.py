@@ -112,8 +112,8 @@ class _InnerRun:
 
 # the Pi 4 tests in two runs, so that they and the Pi 5 run share both cores
 _PI4_RUNS = (INNER_TESTS[:len(INNER_TESTS) // 2], INNER_TESTS[len(INNER_TESTS) // 2:])
-# the Pi 5 run: the quantized matmul tests, and that the generated code holds sdot
-_PI5_OPTIONS = ["-k", "matmul_matches_reference or matmul_rows_do_not_depend or sdot", "-rA"]
+# the Pi 5 run: the quantized matmul tests (rows as stored and packed), and that the generated code holds sdot
+_PI5_OPTIONS = ["-k", "matmul_matches_reference or matmul_rows_do_not_depend or packed_rows or sdot", "-rA"]
 
 
 @pytest.fixture(scope="module")
