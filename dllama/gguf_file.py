@@ -156,13 +156,16 @@ class GGUFFile:
         low, high = byte_bounds(view)
         return base <= low and high <= base + len(self._map)
 
-    def release(self, view: np.ndarray) -> None:
+    def release(self, view: np.ndarray | None = None) -> None:
         """Drop this process's resident pages of the map under `view` (the whole pages it alone
-        spans): for a tensor copied into RAM, so that RAM holds it once. A later read of the view
-        pages it in again."""
+        spans; default: the whole map): for a tensor copied into RAM, so that RAM holds it once.
+        A later read pages it in again."""
+        base = np.frombuffer(self._map, np.uint8).__array_interface__["data"][0]
+        if view is None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+            return
         if not self.maps(view):
             raise ValueError("release: not a view of this file's map")
-        base = np.frombuffer(self._map, np.uint8).__array_interface__["data"][0]
         low, high = byte_bounds(view)
         start = -(-(low - base) // mmap.PAGESIZE) * mmap.PAGESIZE
         stop = (high - base) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -69,7 +69,8 @@ class ShardWeights:
         the model keeps the converted copy, and a second would double them); other native types stay
         views of the map, except column slices (reduce mode's Wo and W2 on a node of several):
         read from the map, every row's part is a jump away from the last, which defeats the CPU's
-        prefetching (5.3 vs 14-16 GB/s on a 1B model's W2), so they are copied once into RAM."""
+        prefetching (5.3 vs 14-16 GB/s on a 1B model's W2), so they are copied once into RAM, and
+        the vectors (norms, biases: KBs)."""
         tensors = {}
         for name, t in shard_tensors(model, shard, mode):
             if isinstance(t, Matrix) and model.file.maps(t.data):
@@ -80,7 +81,10 @@ class ShardWeights:
             if isinstance(t, (Matrix, Experts)) and isinstance(t.data, np.ndarray) \
                     and t.data.strides[-2] != t.data.shape[-1] * t.data.itemsize:
                 t = t.contiguous()  # rows with gaps between them (a row slice of experts has none)
+            elif isinstance(t, np.ndarray):
+                t = t.copy()  # a norm or a bias: read from the map, it maps a whole folio (up to 2 MB) around it
             tensors[name] = t
+        model.file.release()  # the folios those reads mapped; what is still read from the map comes back
         return cls.from_tensors(tensors)
 
     @classmethod
