@@ -5,10 +5,11 @@ chain of fused multiply-adds (GGML's order), bound by the FMA's latency, not by 
 on Q4_0 on one Zen 4 core. Four rows at once make four independent chains, but four rows of the
 file's layout are four short streams, which the hardware prefetcher does not follow (measured 2x
 slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
-ng .. ng+n-1 side by side, then block b+1, so that n rows are one sequential stream (Q4_0, n = 8:
-~17 GB/s).
+ng .. ng+n-1 together, then block b+1, so that n rows are one sequential stream. Within a block of
+n rows the fields go one after another (every row's scale, then every row's quants, ...): the
+scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`).
 Each row's blocks are still summed in their order, into their own accumulators: the bits are the
-file layout's (simd.py `packed_intrinsics`).
+file layout's.
 
 The copy replaces the file's pages in RAM (the loader releases them), so a node holds the weights
 once. The last group is padded with zero blocks when the rows are not a multiple of n.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant import FORMATS, QType
-from .simd_q8 import PACK_ROWS
+from .simd_q8 import FIELDS, PACK_ROWS, field_offsets
 
 # the 32-value block formats the packed kernels cover (matmul.py); K-quants and floats stay in rows
 PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)
@@ -29,6 +30,19 @@ PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ
 
 def rows_per_group(qtype: QType) -> int:
     return PACK_ROWS[QType(qtype).name.lower()]
+
+
+def _field_order(qtype: QType) -> np.ndarray:
+    """Where each byte of n blocks side by side (row-major: row i's block at i * block bytes) goes
+    in the packed block of n rows (field by field)."""
+    fmt, n = QType(qtype).name.lower(), rows_per_group(qtype)
+    sizes, block_bytes = dict(FIELDS[fmt]), FORMATS[qtype].block_bytes
+    order = np.empty(n * block_bytes, np.int64)
+    for i in range(n):
+        for (name, file_at), packed_at in zip(field_offsets(fmt).items(), field_offsets(fmt, n, i).values()):
+            size = sizes[name]
+            order[i * block_bytes + file_at:i * block_bytes + file_at + size] = np.arange(packed_at, packed_at + size)
+    return order
 
 
 @dataclass(frozen=True)
@@ -48,13 +62,18 @@ class PackedRows:
         block_bytes = FORMATS[qtype].block_bytes
         n, blocks = rows_per_group(qtype), row_bytes // block_bytes
         n_groups = -(-rows // n)
-        packed = np.zeros((n_groups, blocks, n, block_bytes), np.uint8)
+        packed = np.zeros((n_groups, blocks, n * block_bytes), np.uint8)
+        moved = np.argsort(_field_order(qtype))  # packed byte k comes from side-by-side byte moved[k]
+        side_by_side = np.zeros((min(n_groups, 128), blocks, n, block_bytes), np.uint8)
         for g0 in range(0, n_groups, 128):  # (row, block, byte) -> (block, row, byte), 128 groups at a time
             part = data[g0 * n:(g0 + 128) * n].reshape(-1, blocks, block_bytes)
-            whole = len(part) // n
-            packed[g0:g0 + whole] = part[:whole * n].reshape(whole, n, blocks, block_bytes).transpose(0, 2, 1, 3)
-            if len(part) % n:  # the last group, padded
-                packed[g0 + whole, :, :len(part) % n] = part[whole * n:].transpose(1, 0, 2)
+            whole, extra = len(part) // n, len(part) % n
+            side_by_side[:whole] = part[:whole * n].reshape(whole, n, blocks, block_bytes).transpose(0, 2, 1, 3)
+            if extra:  # the last group, padded
+                side_by_side[whole] = 0
+                side_by_side[whole, :, :extra] = part[whole * n:].transpose(1, 0, 2)
+            count = whole + (extra > 0)
+            packed[g0:g0 + count] = side_by_side[:count].reshape(count, blocks, n * block_bytes)[..., moved]
         return cls(QType(qtype), rows, packed.reshape(n_groups, n * row_bytes))
 
     @property
@@ -75,5 +94,6 @@ class PackedRows:
         if index.size and (index.min() < 0 or index.max() >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
         n, block_bytes = self.rows_per_group, FORMATS[self.qtype].block_bytes
-        blocks = self.groups.reshape(self.groups.shape[0], self.row_bytes // block_bytes, n, block_bytes)
-        return np.ascontiguousarray(blocks[index // n, :, index % n]).reshape(len(index), self.row_bytes)
+        blocks = self.groups.reshape(self.groups.shape[0], self.row_bytes // block_bytes, n * block_bytes)[index // n]
+        blocks = blocks[..., _field_order(self.qtype)].reshape(len(index), blocks.shape[1], n, block_bytes)
+        return np.ascontiguousarray(blocks[np.arange(len(index)), :, index % n]).reshape(len(index), self.row_bytes)

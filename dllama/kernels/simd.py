@@ -71,6 +71,11 @@ def splat(builder, scalar, n: int):
     return builder.shuffle_vector(v, v, const_vec(I32, [0] * n))
 
 
+def concat(builder, first, second):
+    """Two vectors of one type side by side: <n x T>, <n x T> -> <2n x T>."""
+    return builder.shuffle_vector(first, second, const_vec(I32, range(2 * first.type.count)))
+
+
 def opaque(builder, v):
     """v, with LLVM unable to see what it is: a splat kept opaque stays a vector, so that a product
     of two splats is one vector multiply rather than (LLVM's choice) a scalar multiply and a
@@ -277,28 +282,28 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
     return dot(False), dot(True), intrinsic(tile_typer)
 
 
-def packed_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, block_bytes: int, pack: int,
+def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pack: int,
                       tile_shape: tuple[int, int]):
-    """The intrinsics (strip, strip_wide, tile) of one weight format in rows interleaved by `pack`
-    (kernels/packing.py: row g of wp holds rows pack*g .. pack*g+pack-1, block after block, the pack
-    rows' blocks side by side), named strip_<fmt>_<suffix>, ...:
+    """The intrinsics (strip, strip_wide, tile) of one weight format in rows packed by `pack`
+    (kernels/packing.py: row g of wp holds rows pack*g .. pack*g+pack-1, block after block),
+    named strip_<fmt>_<suffix>, ...:
     strip(wp, g, i0, xq, xd, xs, t, out, col): out[t, col + i] = the dot of row pack*g + i with
     activation row t, for i < pack (i0 is 0); strip_wide the same in float64 (out float64);
     tile(wp, g, i0, xq, xd, xs, t, out, col): out[t + j, col + i] = the dot of row pack*g + i0 + i
-    with activation row t + j for (i, j) < tile_shape. Every pair is summed as by block_intrinsics'
-    dot (its own accumulators, the one-pair order), so the bits do not depend on the layout either;
-    the layout makes a group of rows one sequential stream of memory."""
+    with activation row t + j for (i, j) < tile_shape. emit_packed(builder, acc type, group pointer,
+    i0, rows, activation row pointers, number of blocks) -> totals[row][token] writes the IR; each
+    pair summed as by block_intrinsics' dot (its own accumulators, the one-pair order), so the bits
+    do not depend on the layout either; the layout makes a group of rows one sequential stream."""
 
     def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):
             def codegen(context, builder, signature, args):
                 ty = signature.args
                 group = context.cast(builder, args[1], ty[1], types.intp)
-                first = builder.mul(context.cast(builder, args[2], ty[2], types.intp), ir.Constant(I64, block_bytes))
-                base = builder.gep(row_ptr(context, builder, ty[0], args[0], group), [first])
-                w_ptrs = [builder.gep(base, [ir.Constant(I64, i * block_bytes)]) for i in range(n_rows)]
+                first = context.cast(builder, args[2], ty[2], types.intp)
+                group_ptr = row_ptr(context, builder, ty[0], args[0], group)
                 x_rows, n_blocks = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
-                totals = emit_dots(builder, fmt, acc_t, w_ptrs, x_rows, n_blocks, pack * block_bytes)
+                totals = emit_packed(builder, acc_t, group_ptr, first, n_rows, x_rows, n_blocks)
                 tok = context.cast(builder, args[6], ty[6], types.intp)
                 col = context.cast(builder, args[8], ty[8], types.intp)
                 for j in range(n_tokens):

@@ -6,15 +6,22 @@ are in simd.py, the numpy reference is matmul.py's matmul_ref.
 
 from __future__ import annotations
 
+from functools import partial
+
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_32_REGISTERS, X86_VNNI, block_intrinsics, const_vec,
-                   fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
+from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_32_REGISTERS, X86_VNNI, block_intrinsics, concat,
+                   const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot,
+                   splat, vec)
 
-# Byte layout of each native block format: (bytes per block, offset of the quants); Q5's fifth
-# bits (one uint32 per block) sit just before the quants
-_BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2), "q5_0": (22, 6), "q5_1": (24, 8), "iq4_nl": (18, 2)}
+# Each native block format's fields, in the file's byte order: (name, bytes). d (f16 scale) and m
+# (f16 min) are scalars; qh: Q5's fifth bits (one uint32: bit j is value j's); qs: the quants (nibbles:
+# byte k holds value k low, value k+16 high)
+FIELDS = {"q4_0": (("d", 2), ("qs", 16)), "q4_1": (("d", 2), ("m", 2), ("qs", 16)), "q8_0": (("d", 2), ("qs", 32)),
+          "q5_0": (("d", 2), ("qh", 4), ("qs", 16)), "q5_1": (("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
+          "iq4_nl": (("d", 2), ("qs", 16))}
+BLOCK_BYTES = {fmt: sum(size for _, size in fields) for fmt, fields in FIELDS.items()}
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # A tile of the prefill GEMM: each weight block unpacked once for TILE_TOKENS tokens, each activation
 # block loaded once for TILE_ROWS rows. With AVX-512's 32 registers 4 x 4 (16 accumulators), 11%
@@ -29,17 +36,26 @@ TILE = (TILE_ROWS, TILE_TOKENS)
 _BIAS = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "iq4_nl": 128}
 
 
-def _unpack(builder, fmt: str, w_ptr, block, biased: bool):
-    """One weight block at byte `block` of a row: its 32 quants (<32 x i8>, in value order; the
-    signed values, or biased by _BIAS[fmt] if `biased`, for the formats without a min), its scale
-    d (f32) and, with a min, m (f16)."""
-    _, qs_offset = _BLOCK[fmt]
-    d_w = builder.fpext(load_at(builder, w_ptr, block, F16), F32)
-    m_w = load_at(builder, w_ptr, builder.add(block, ir.Constant(I64, 2)), F16) if fmt in _WITH_MIN else None
+def field_offsets(fmt: str, rows: int = 1, row: int = 0) -> dict[str, int]:
+    """Byte offsets of a block's fields: in the file (rows 1), or of row `row` in a block of `rows`
+    rows packed field by field (kernels/packing.py: every row's d, then every row's m, ...)."""
+    offsets, at = {}, 0
+    for name, size in FIELDS[fmt]:
+        offsets[name] = rows * at + size * row
+        at += size
+    return offsets
+
+
+def _unpack(builder, fmt: str, fields: dict, block, biased: bool):
+    """One weight block at byte `block` past each of its row's field pointers (`fields`: name ->
+    i8*): its 32 quants (<32 x i8>, in value order; the signed values, or biased by _BIAS[fmt] if
+    `biased`, for the formats without a min), its scale d (f32) and, with a min, m (f16)."""
+    d_w = builder.fpext(load_at(builder, fields["d"], block, F16), F32)
+    m_w = load_at(builder, fields["m"], block, F16) if fmt in _WITH_MIN else None
     if fmt == "q8_0":
-        quants = load_at(builder, w_ptr, builder.add(block, ir.Constant(I64, qs_offset)), I8, 32)
+        quants = load_at(builder, fields["qs"], block, I8, 32)
         return (builder.xor(quants, const_vec(I8, [-128] * 32)) if biased else quants), d_w, m_w
-    packed = load_at(builder, w_ptr, builder.add(block, ir.Constant(I64, qs_offset)), I8, 16)
+    packed = load_at(builder, fields["qs"], block, I8, 16)
     low = builder.and_(packed, const_vec(I8, [15] * 16))
     high = builder.lshr(packed, const_vec(I8, [4] * 16))
     if fmt == "iq4_nl":  # the nibbles index a table of 16 non-linear values
@@ -47,24 +63,32 @@ def _unpack(builder, fmt: str, w_ptr, block, biased: bool):
     quants = builder.shuffle_vector(low, high, const_vec(I32, range(32)))  # value order
     if fmt in ("q5_0", "q5_1"):  # bit j of the block's uint32 is value j's fifth bit
         # (as a mask of 32 bits: AVX-512 turns it into bytes in one instruction, AVX2 in a few)
-        bits = builder.bitcast(load_at(builder, w_ptr, builder.add(block, ir.Constant(I64, qs_offset - 4)), I32),
-                               vec(ir.IntType(1), 32))
+        bits = builder.bitcast(load_at(builder, fields["qh"], block, I32), vec(ir.IntType(1), 32))
         quants = builder.or_(quants, builder.select(bits, const_vec(I8, [16] * 32), const_vec(I8, [0] * 32)))
     if fmt in ("q4_0", "q5_0") and not biased:
         quants = builder.sub(quants, const_vec(I8, [_BIAS[fmt]] * 32))
     return quants, d_w, m_w
 
 
-def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks, block_stride: int | None = None):
-    """IR of the dot of every weight row (pointers w_ptrs; a row's blocks block_stride bytes apart,
-    default one block: rows as stored) with every activation row (x_rows: pointers to its values,
-    block scales and block d*sums) -> totals[row][token]. Each pair has
-    its own accumulators, added to in the same order as when it is alone, so a pair's bits do
-    not depend on the tile it is computed in (batch invariance); the tile shares the unpacking of
-    each weight block among its tokens and each activation block among its rows."""
-    block_bytes, _ = _BLOCK[fmt]
+def _row_fields(builder, fmt: str, base, offsets: dict[str, int]) -> dict:
+    return {name: builder.gep(base, [ir.Constant(I64, offset)]) for name, offset in offsets.items()}
+
+
+def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
+    """IR of the dot of every weight row as stored (pointers w_ptrs) with every activation row
+    (x_rows: pointers to its values, block scales and block d*sums) -> totals[row][token]."""
+    rows = [_row_fields(builder, fmt, builder.bitcast(w_ptr, I8.as_pointer()), field_offsets(fmt)) for w_ptr in w_ptrs]
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, BLOCK_BYTES[fmt])
+
+
+def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, n_blocks, block_stride: int):
+    """The dots of weight rows (each a dict of field pointers, its blocks block_stride bytes apart)
+    with activation rows. Each pair has its own accumulators, added to in the same order as when it
+    is alone, so a pair's bits do not depend on the tile it is computed in (batch invariance); the
+    tile shares the unpacking of each weight block among its tokens and each activation block among
+    its rows."""
     biased = X86_VNNI and fmt in _BIAS
-    pairs = [(i, j) for i in range(len(w_ptrs)) for j in range(len(x_rows))]
+    pairs = [(i, j) for i in range(len(rows)) for j in range(len(x_rows))]
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots, summs_slots = {}, {}
     for pair in pairs:
@@ -79,13 +103,13 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks, bloc
 
     with cgutils.for_range(builder, n_blocks) as loop:
         b = loop.index
-        block = builder.mul(b, ir.Constant(I64, block_stride or block_bytes))
-        weights = [_unpack(builder, fmt, w_ptr, block, biased) for w_ptr in w_ptrs]
+        block = builder.mul(b, ir.Constant(I64, block_stride))
+        weights = [_unpack(builder, fmt, fields, block, biased) for fields in rows]
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
             d_x = builder.load(builder.gep(xd_ptr, [b]))
             # in a tile, d_x's splat is one register multiplied by each row's d_w splat
-            dx_splat = opaque(builder, splat(builder, d_x, LANES)) if acc_t is F32 and len(w_ptrs) > 1 else None
+            dx_splat = opaque(builder, splat(builder, d_x, LANES)) if acc_t is F32 and len(rows) > 1 else None
             start = None
             if biased:  # -bias * the sum of each lane's four activations
                 bias = quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True)
@@ -107,13 +131,121 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks, bloc
                     ds_x = builder.fpext(ds_x, F64) if acc_t is F64 else ds_x
                     slot = summs_slots[i, j]
                     builder.store(fmuladd(builder, builder.fpext(m_w, acc_t), ds_x, builder.load(slot)), slot)
-    totals = [[None] * len(x_rows) for _ in w_ptrs]
+    totals = [[None] * len(x_rows) for _ in rows]
     for i, j in pairs:
         total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
         if fmt in _WITH_MIN:
             total = builder.fadd(total, builder.load(summs_slots[i, j]))
         totals[i][j] = total
     return totals
+
+
+# The nibble formats whose two rows' quants, packed side by side, are one 32-byte load (_emit_pair_dots)
+_NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves
+_X_HALVES = (list(range(16)) * 2, list(range(16, 32)) * 2)
+
+
+def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, n_blocks, block_stride: int):
+    """The dots of n_rows (even) rows packed field by field (`fields`: pointers to the first row's
+    fields of the group's first block) with activation rows: rows 2p and 2p+1 as one 32-byte load of
+    their nibbles. Its low nibbles against the activations' values 0-15 (twice) give row 2p's GGML
+    lanes 0-3 and row 2p+1's lanes 0-3 in one quad dot, the high nibbles against values 16-31 their
+    lanes 4-7: every lane gets the same operations as in the 8-lane dot (the same bits), with the
+    unpacking, the dots and the scales of two rows in the instructions of one. The rows' scales (and
+    mins) are one vector."""
+    biased = X86_VNNI and fmt in _BIAS
+    n_pairs, tokens = n_rows // 2, range(len(x_rows))
+    zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
+    acc_slots = {}
+    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)):
+        acc_slots[key] = cgutils.alloca_once_value(builder, zero)
+        builder.store(zero, acc_slots[key])
+    summs_slots = {}
+    if fmt in _WITH_MIN:  # lane i: row i's sum of m * (d*sum) of the activations' blocks
+        for j in tokens:
+            summs_slots[j] = cgutils.alloca_once_value(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows))
+            builder.store(ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows), summs_slots[j])
+
+    def halves_of(vector, f):  # a per-16-byte operation over a 32-byte vector
+        parts = [builder.shuffle_vector(vector, vector, const_vec(I32, range(16 * h, 16 * h + 16))) for h in (0, 1)]
+        return concat(builder, *(f(part) for part in parts))
+
+    with cgutils.for_range(builder, n_blocks) as loop:
+        b = loop.index
+        block = builder.mul(b, ir.Constant(I64, block_stride))
+        d_w = builder.fpext(load_at(builder, fields["d"], block, F16, n_rows), vec(F32, n_rows))
+        m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
+            if fmt in _WITH_MIN else None
+        nibbles = []
+        for p in range(n_pairs):
+            packed = load_at(builder, fields["qs"], builder.add(block, ir.Constant(I64, 32 * p)), I8, 32)
+            low = builder.and_(packed, const_vec(I8, [15] * 32))
+            high = builder.lshr(packed, const_vec(I8, [4] * 32))
+            if fmt == "iq4_nl":
+                low, high = (halves_of(v, partial(iq4_nl_values, builder, biased=biased)) for v in (low, high))
+            if fmt in ("q5_0", "q5_1"):  # the fifth bits: the two rows' uint32s as 16-bit halves
+                halves16 = builder.bitcast(load_at(builder, fields["qh"], builder.add(block, ir.Constant(I64, 8 * p)),
+                                                   I32, 2), vec(ir.IntType(16), 4))
+                low, high = (builder.or_(v, builder.select(
+                    builder.bitcast(builder.shuffle_vector(halves16, halves16, const_vec(I32, (h, h + 2))),
+                                    vec(ir.IntType(1), 32)), const_vec(I8, [16] * 32), const_vec(I8, [0] * 32)))
+                    for h, v in enumerate((low, high)))
+            if fmt in ("q4_0", "q5_0") and not biased:
+                low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
+            nibbles.append((low, high))
+        for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
+            xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
+            x_halves = [builder.shuffle_vector(xq, xq, const_vec(I32, lanes)) for lanes in _X_HALVES]
+            starts = (None, None)
+            if biased:  # -bias * the sum of each lane's four activations, in the pairs' lane order
+                start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES),
+                                    quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True))
+                starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
+                          for h in (0, 1)]
+            # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
+            scales = builder.fmul(d_w, splat(builder, builder.load(builder.gep(xd_ptr, [b])), n_rows))
+            for p, pair in enumerate(nibbles):
+                scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p] * 4 + [2 * p + 1] * 4))
+                scale = builder.fpext(scale, vec(F64, LANES)) if acc_t is F64 else scale
+                for h, (quants, x_half, start) in enumerate(zip(pair, x_halves, starts)):
+                    quads = quad_dot(builder, quants, x_half, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
+                    slot = acc_slots[p, j, h]
+                    builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(acc_t, LANES)),
+                                          builder.load(slot)), slot)
+            if fmt in _WITH_MIN:
+                ds_x = builder.load(builder.gep(xds_ptr, [b]))
+                ds_x = splat(builder, builder.fpext(ds_x, F64) if acc_t is F64 else ds_x, n_rows)
+                builder.store(fmuladd(builder, m_w, ds_x, builder.load(summs_slots[j])), summs_slots[j])
+    totals = [[None] * len(x_rows) for _ in range(n_rows)]
+    for p in range(n_pairs):
+        for j in tokens:
+            low, high = (builder.load(acc_slots[p, j, h]) for h in (0, 1))
+            for k in (0, 1):  # row 2p + k: its GGML lanes 0-3 from the low dot, 4-7 from the high one
+                lanes = builder.shuffle_vector(low, high, const_vec(I32, [4 * k + i for i in range(4)] +
+                                                                    [8 + 4 * k + i for i in range(4)]))
+                total = hsum_float_8(builder, lanes)
+                if fmt in _WITH_MIN:
+                    total = builder.fadd(total, builder.extract_element(builder.load(summs_slots[j]),
+                                                                        ir.Constant(I32, 2 * p + k)))
+                totals[2 * p + k][j] = total
+    return totals
+
+
+def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, n_blocks, fmt: str, pack: int):
+    """The dots of rows i0 .. i0+n_rows-1 of a group of `pack` rows packed field by field (group_ptr:
+    the group's first byte) with activation rows."""
+    fields = {}
+    for (name, size), at in zip(FIELDS[fmt], field_offsets(fmt, pack).values()):  # row i0's, in the first block
+        fields[name] = builder.gep(group_ptr, [builder.add(ir.Constant(I64, at),
+                                                           builder.mul(i0, ir.Constant(I64, size)))])
+    stride = pack * BLOCK_BYTES[fmt]
+    if fmt in _NIBBLE_PAIRS and n_rows % 2 == 0:
+        return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, n_blocks, stride)
+    sizes = dict(FIELDS[fmt])
+    rows = [{name: builder.gep(ptr, [ir.Constant(I64, sizes[name] * i)]) for name, ptr in fields.items()}
+            for i in range(n_rows)]
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, stride)
 
 
 # dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format fmt) against Q8 activation row t
@@ -129,8 +261,10 @@ dot_q5_1_q8, dot_q5_1_q8_wide, tile_q5_1_q8 = block_intrinsics(_emit_dots, "q5_1
 
 # The same in rows packed by PACK_ROWS[fmt] (kernels/packing.py): strip = PACK_ROWS rows x 1 token (the
 # decode matvec: PACK_ROWS independent chains of multiply-adds over one sequential stream), strip_wide
-# in float64, tile_..._packed = TILE rows x tokens. 8 rows where their 8 chains fit the registers
-# (Zen 4, 1 core, from DRAM: Q4_0 1.35x one row at a time, Q4_1 0.77x: spills), 4 elsewhere.
+# in float64, tile_..._packed = TILE rows x tokens. Rows per group from measurement (Zen 4, 1 core, from
+# DRAM): Q4_1 and Q5_1 by 8 read no faster one token at a time (Q4_1 is at DRAM speed by 4) and 4 tokens
+# at a time 0.7-0.8x, so 4 there.
 PACK_ROWS = {"q4_0": 8, "q4_1": 4, "q8_0": 4, "q5_0": 8, "q5_1": 4, "iq4_nl": 8}
 assert all(n % TILE_ROWS == 0 for n in PACK_ROWS.values())
-PACKED = {fmt: packed_intrinsics(_emit_dots, fmt, "q8", F32, _BLOCK[fmt][0], PACK_ROWS[fmt], TILE) for fmt in _BLOCK}
+PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=PACK_ROWS[fmt]), fmt, "q8", F32,
+                                 PACK_ROWS[fmt], TILE) for fmt in FIELDS}
