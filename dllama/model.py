@@ -18,7 +18,7 @@ from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
 from .kernels.activations import Activations
 from .kernels.attention import CacheSpans, attend
-from .kernels.ops import gelu_mul, rmsnorm, rope, silu_mul, softcap
+from .kernels.ops import gelu_mul, rmsnorm, rope_angles, rotate, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
 from .kv_cache import KVCache, round_capacity
 from .plan import Shard
@@ -250,6 +250,7 @@ class ShardModel:
                             [s.n for s in spans], [((kv.k[src], kv.v[src]), (kv.k[dst], kv.v[dst]), n)
                                                    for src, dst, n in copies]) if nq else None
         project = self.projection.project
+        angles = {}  # RoPE's cos/sin tables of the tokens' positions, by (base, scaling)
         gate = gelu_mul if cfg.activation == "gelu" else silu_mul
         for i, w in enumerate(self.weights.layers):
             # attention over this node's heads
@@ -264,9 +265,11 @@ class ShardModel:
                 if w.q_norm is not None:  # Qwen3, Gemma 3: each head RMS-normed before RoPE
                     q = rmsnorm(q.reshape(T * nq, hd), w.q_norm, cfg.norm_eps).reshape(T, nq, hd)
                     k = rmsnorm(k.reshape(T * nkv, hd), w.k_norm, cfg.norm_eps).reshape(T, nkv, hd)
-                base, scaling = cfg.rope_of_layer(i)
-                rope(q, pos, cfg.rope_dims, base, cfg.rope_neox, self.weights.rope_freq_factors, scaling)
-                rope(k, pos, cfg.rope_dims, base, cfg.rope_neox, self.weights.rope_freq_factors, scaling)
+                rope = cfg.rope_of_layer(i)  # (base, scaling): the same tables for every layer that shares it
+                if rope not in angles:
+                    angles[rope] = rope_angles(pos, cfg.rope_dims, rope[0], self.weights.rope_freq_factors, rope[1])
+                rotate(q, angles[rope], cfg.rope_neox)
+                rotate(k, angles[rope], cfg.rope_neox)
                 if cfg.attn_q_scale:  # Gemma scales Q, not the scores
                     q *= np.float32(cfg.attn_q_scale)
                 scale, window = 1.0 if cfg.attn_q_scale else None, cfg.sliding_window if cfg.is_local(i) else 0

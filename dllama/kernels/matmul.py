@@ -20,8 +20,8 @@ from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
 from .packing import PackedRows
-from .simd_q8 import (PACKED, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
-                      dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
+from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
+                      dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
                       dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
                       tile_q5_1_q8, tile_q8_0_q8)
 from .simd_q8k import (dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
@@ -162,17 +162,18 @@ def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed(wp, rows, n, fmt, xq, xd, xs, out):
-    """_mm_quant over rows packed by n: per group of n rows, tiles of tokens, then one strip (the
-    group's rows x 1 token) per token left; the padded last group through a scratch row."""
+def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+    """_mm_quant over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the
+    format's PACKED_TILE), then one strip (the group's rows x 1 token) per token left; the padded
+    last group through a scratch row."""
     T = xq.shape[0]
     whole = rows // n
-    tiled_tokens = T - T % TILE_TOKENS
+    tiled_tokens = T - T % tile_tokens
     for g in prange(wp.shape[0]):
         col = g * n
         if g < whole:
-            for t in range(0, tiled_tokens, TILE_TOKENS):
-                for i0 in range(0, n, TILE_ROWS):
+            for t in range(0, tiled_tokens, tile_tokens):
+                for i0 in range(0, n, tile_rows):
                     _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col + i0)
             for t in range(tiled_tokens, T):
                 _strip(wp, fmt, g, xq, xd, xs, t, out, col)
@@ -338,8 +339,12 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         raise ValueError("matmul's out must have contiguous rows")
     if isinstance(w, PackedRows):
         a = x.q8
-        kernel = _mm_packed_wide if wide else _mm_packed
-        kernel(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
+        if wide:
+            _mm_packed_wide(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
+        else:
+            tile_rows, tile_tokens = PACKED_TILE[QType(w.qtype).name.lower()]
+            _mm_packed(w.groups, w.rows, w.rows_per_group, tile_rows, tile_tokens, _QUANT_KERNEL[w.qtype], a.q, a.d,
+                       a.ds, out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8

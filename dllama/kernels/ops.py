@@ -93,12 +93,24 @@ def _rope(x, cos, sin, neox):
 def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
          freq_factors: np.ndarray | None = None, scaling: RopeScaling = RopeScaling()) -> None:
     """Rotate x (T, heads, head_dim) in place; dims past n_dims are left as they are."""
+    rotate(x, rope_angles(pos, n_dims, base, freq_factors, scaling), neox)
+
+
+def rope_angles(pos: np.ndarray, n_dims: int, base: float, freq_factors: np.ndarray | None = None,
+                scaling: RopeScaling = RopeScaling()) -> tuple[np.ndarray, np.ndarray]:
+    """The (cos, sin) tables `rotate` takes, (T, n_dims/2) each, for tokens at positions pos:
+    the same for every layer that rotates with the same base and scaling."""
     if freq_factors is None:
         freq_factors = np.ones(n_dims // 2, np.float32)
     f32 = np.float32
-    cos, sin = _rope_angles(np.asarray(pos, np.int64), n_dims, f32(base), freq_factors, f32(scaling.freq_scale),
-                            f32(scaling.ext_factor), f32(scaling.corr_dims[0]), f32(scaling.corr_dims[1]),
-                            f32(scaling.mscale))
+    return _rope_angles(np.asarray(pos, np.int64), n_dims, f32(base), freq_factors, f32(scaling.freq_scale),
+                        f32(scaling.ext_factor), f32(scaling.corr_dims[0]), f32(scaling.corr_dims[1]),
+                        f32(scaling.mscale))
+
+
+def rotate(x: np.ndarray, angles: tuple[np.ndarray, np.ndarray], neox: bool) -> None:
+    """RoPE: rotate x (T, heads, head_dim) in place by rope_angles' tables."""
+    cos, sin = angles
     _rope(x, cos, sin, neox)
 
 

@@ -261,10 +261,15 @@ dot_q5_1_q8, dot_q5_1_q8_wide, tile_q5_1_q8 = block_intrinsics(_emit_dots, "q5_1
 
 # The same in rows packed by PACK_ROWS[fmt] (kernels/packing.py): strip = PACK_ROWS rows x 1 token (the
 # decode matvec: PACK_ROWS independent chains of multiply-adds over one sequential stream), strip_wide
-# in float64, tile_..._packed = TILE rows x tokens. Rows per group from measurement (Zen 4, 1 core, from
-# DRAM): Q4_1 and Q5_1 by 8 read no faster one token at a time (Q4_1 is at DRAM speed by 4) and 4 tokens
-# at a time 0.7-0.8x, so 4 there.
-PACK_ROWS = {"q4_0": 8, "q4_1": 4, "q8_0": 4, "q5_0": 8, "q5_1": 4, "iq4_nl": 8}
-assert all(n % TILE_ROWS == 0 for n in PACK_ROWS.values())
-PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=PACK_ROWS[fmt]), fmt, "q8", F32,
-                                 PACK_ROWS[fmt], TILE) for fmt in FIELDS}
+# in float64, tile_..._packed = PACKED_TILE[fmt] rows x tokens. Both per format from measurement (Zen 4,
+# 1 core, from DRAM, against 4 rows and 4 x 4 tiles): the formats of two rows per load gain with 8 rows
+# and 8 x 2 tiles (8 rows' quants loaded once per 2 tokens; 16 accumulators as 4 x 4): Q4_0 1.05-1.2x at
+# 4-128 tokens, IQ4_NL and Q4_1 1.05-1.1x at 8-128, Q4_1 0.8x at 4; Q8_0, Q5_0 and Q5_1 lose there.
+_PAIR_TILE = (8, 2) if X86_32_REGISTERS else TILE  # AVX2's 16 registers: 16 accumulators would spill
+_PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _PAIR_TILE), "iq4_nl": (8, _PAIR_TILE),
+            "q8_0": (4, TILE), "q5_0": (8, TILE), "q5_1": (4, TILE)}
+PACK_ROWS = {fmt: rows for fmt, (rows, _) in _PACKING.items()}
+PACKED_TILE = {fmt: tile for fmt, (_, tile) in _PACKING.items()}
+assert all(rows % tile[0] == 0 for rows, tile in _PACKING.values())
+PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, tile)
+          for fmt, (rows, tile) in _PACKING.items()}
