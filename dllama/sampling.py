@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .kernels.ops import top_k
+
 MAX_CANDIDATES = 256  # per node, per position
 
 
@@ -79,15 +81,14 @@ def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, rece
     logits = np.array(logits, dtype=np.float32)
     apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
     k = min(params.n_candidates, logits.shape[0])
-    if k == 1:
-        top = np.array([int(np.argmax(logits))])
-    else:
-        top = np.argpartition(-logits, k - 1)[:k]
-        top = top[np.lexsort((top, -logits[top]))]  # best first, ties by id
+    top = np.array([int(np.argmax(logits))]) if k == 1 else top_k(logits, k)  # best first, ties by id
     temperature = params.temperature if not params.greedy else 1.0
-    scaled = logits.astype(np.float64) / temperature
+    scaled = logits.astype(np.float64)
+    if temperature != 1.0:
+        scaled /= temperature
     peak = scaled.max()
-    lse = float(peak + np.log(np.exp(scaled - peak).sum()))
+    scaled -= peak  # in place: a 49k vocabulary's temporaries cost more than the arithmetic
+    lse = float(peak + np.log(np.exp(scaled, out=scaled).sum()))
     target_logit = None
     if target is not None and vocab_start <= target < vocab_start + logits.shape[0]:
         target_logit = float(logits[target - vocab_start])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dllama.kernels.ops import top_k, top_k_ref
 from dllama.sampling import (MAX_CANDIDATES, LogitSummary, Sampler, SamplingParams, apply_repeat_penalty, global_lse,
                              summarize, target_logprob)
 
@@ -34,6 +35,19 @@ def softmax64(x):
     x = x.astype(np.float64)
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+# ------------------------------------------------------------------ a slice's candidates
+
+
+@pytest.mark.parametrize("kind", ["spread", "ties", "equal"])
+@pytest.mark.parametrize("n", [1, 2, 5, 37, 300, 49152])
+def test_top_k_is_the_k_best_ties_to_the_lowest_id(kind, n):
+    rng = np.random.default_rng(n)
+    x = {"spread": lambda: rng.standard_normal(n), "ties": lambda: rng.integers(-3, 3, n),
+         "equal": lambda: np.zeros(n)}[kind]().astype(np.float32)
+    for k in sorted({1, 2, 3, 40, MAX_CANDIDATES, n, n + 3}):
+        np.testing.assert_array_equal(top_k(x, k), top_k_ref(x, k))
 
 
 # ------------------------------------------------------------------ greedy

@@ -268,3 +268,54 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def gelu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     g = gate.astype(np.float64)
     return (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * up).astype(np.float32)
+
+
+# ------------------------------------------------------------------ top-k of a logit row
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _worse(value, id, other_value, other_id):
+    """Ranks below the other: a lower value, or the same with a higher id."""
+    return value < other_value or (value == other_value and id > other_id)
+
+
+@njit(nogil=True, cache=CACHE)
+def _top_k_unordered(x, k):
+    """The ids of x's k largest values, ties to the lowest ids, in no order: one pass keeping the k
+    best seen in a heap whose root is the worst of them. A later value enters only if it beats the
+    root strictly: on a tie its id is the higher."""
+    k = min(k, x.shape[0])
+    values, ids = np.empty(k, x.dtype), np.empty(k, np.int64)
+    for i in range(x.shape[0]):
+        v = x[i]
+        if i < k:  # filling: up past the parents it ranks below
+            j = i
+            while j > 0 and _worse(v, i, values[(j - 1) // 2], ids[(j - 1) // 2]):
+                values[j], ids[j] = values[(j - 1) // 2], ids[(j - 1) // 2]
+                j = (j - 1) // 2
+        elif v > values[0]:  # the root out, the new one down past the children that rank below it
+            j = 0
+            while 2 * j + 1 < k:
+                c = 2 * j + 1
+                if c + 1 < k and _worse(values[c + 1], ids[c + 1], values[c], ids[c]):
+                    c += 1
+                if not _worse(values[c], ids[c], v, i):
+                    break
+                values[j], ids[j] = values[c], ids[c]
+                j = c
+        else:
+            continue
+        values[j], ids[j] = v, i
+    return ids
+
+
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids (int64) of the k largest values of a 1-D float array, best first, ties to the lowest
+    id. One pass (np.argpartition took ~0.7 ms on a 49k vocabulary, per sequence and token)."""
+    ids = _top_k_unordered(x, k)
+    return ids[np.lexsort((ids, -x[ids]))]
+
+
+def top_k_ref(x: np.ndarray, k: int) -> np.ndarray:
+    order = np.lexsort((np.arange(x.shape[0]), -x))
+    return order[:k].astype(np.int64)

@@ -264,7 +264,7 @@ dot_q5_1_q8, dot_q5_1_q8_wide, tile_q5_1_q8 = block_intrinsics(_emit_dots, "q5_1
 # in float64, tile_..._packed = PACKED_TILE[fmt] rows x tokens. Both per format from measurement (Zen 4,
 # 1 core, from DRAM, against 4 rows and 4 x 4 tiles): the formats of two rows per load gain with 8 rows
 # and 8 x 2 tiles (8 rows' quants loaded once per 2 tokens; 16 accumulators as 4 x 4): Q4_0 1.05-1.2x at
-# 4-128 tokens, IQ4_NL and Q4_1 1.05-1.1x at 8-128, Q4_1 0.8x at 4; Q8_0, Q5_0 and Q5_1 lose there.
+# 4-128 tokens, IQ4_NL and Q4_1 1.05-1.1x at 8-128 (level at 4); Q8_0, Q5_0 and Q5_1 lose there.
 _PAIR_TILE = (8, 2) if X86_32_REGISTERS else TILE  # AVX2's 16 registers: 16 accumulators would spill
 _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _PAIR_TILE), "iq4_nl": (8, _PAIR_TILE),
             "q8_0": (4, TILE), "q5_0": (8, TILE), "q5_1": (4, TILE)}

@@ -49,6 +49,7 @@ def warm_up(verbose: bool = False) -> float:
     norm = _read_only(np.ones(128, np.float32))
     ops.rmsnorm(x, norm, 1e-5)
     ops.silu_mul(x, x)
+    ops.top_k(x[0], 3)
     q = rng.standard_normal((3, 4, 64), dtype=np.float32)
     ops.rope(q, np.arange(3), 64, 10000.0, False)
     ops.rope(q, np.arange(3), 64, 10000.0, False, _read_only(np.ones(32, np.float32)))
