@@ -46,7 +46,7 @@ def test_top_k_is_the_k_best_ties_to_the_lowest_id(kind, n):
     rng = np.random.default_rng(n)
     x = {"spread": lambda: rng.standard_normal(n), "ties": lambda: rng.integers(-3, 3, n),
          "equal": lambda: np.zeros(n)}[kind]().astype(np.float32)
-    for k in sorted({1, 2, 3, 40, MAX_CANDIDATES, n, n + 3}):
+    for k in sorted({0, 1, 2, 3, 40, MAX_CANDIDATES, n, n + 3}):
         np.testing.assert_array_equal(top_k(x, k), top_k_ref(x, k))
 
 

@@ -284,9 +284,9 @@ def _top_k_unordered(x, k):
     """The ids of x's k largest values, ties to the lowest ids, in no order: one pass keeping the k
     best seen in a heap whose root is the worst of them. A later value enters only if it beats the
     root strictly: on a tie its id is the higher."""
-    k = min(k, x.shape[0])
+    k = max(0, min(k, x.shape[0]))
     values, ids = np.empty(k, x.dtype), np.empty(k, np.int64)
-    for i in range(x.shape[0]):
+    for i in range(x.shape[0] if k else 0):
         v = x[i]
         if i < k:  # filling: up past the parents it ranks below
             j = i
