@@ -63,8 +63,8 @@ class ShardWeights:
 
     @classmethod
     def from_gguf(cls, model: GGUFModel, shard: Shard, mode: str = "reduce") -> "ShardWeights":
-        """This shard's slices of the (memory-mapped) file. The matrices of the 32-value block
-        formats are packed into RAM for the kernels (kernels/packing.py), one at a time, each
+        """This shard's slices of the (memory-mapped) file. The matrices of the block formats
+        are packed into RAM for the kernels (kernels/packing.py), one at a time, each
         releasing its pages of the map, so RAM holds the weights once (not those converted on load:
         the model keeps the converted copy, and a second would double them); other native types stay
         views of the map, except column slices (reduce mode's Wo and W2 on a node of several):

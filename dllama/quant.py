@@ -40,36 +40,52 @@ class QType(enum.IntEnum):
 class Format:
     qtype: QType
     block_size: int  # values per block
-    block_bytes: int  # bytes per block
+    # a block's fields in the file's byte order: (name, bytes). d (f16 scale), m (f16 min), dmin (K-quants'
+    # f16 scale of the mins), scales (6-bit scales and mins / int8 scales of the sub-blocks), qh (fifth
+    # or high bits), qs / ql (the quants); the kernels and the packed layout (kernels/packing.py) read them
+    fields: tuple[tuple[str, int], ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(size for _, size in self.fields)
 
     def row_bytes(self, cols: int) -> int:
         if cols % self.block_size:
             raise ValueError(f"{self.qtype.name}: row length {cols} is not a multiple of {self.block_size}")
         return cols // self.block_size * self.block_bytes
 
+    def field_offsets(self, rows: int = 1, row: int = 0) -> dict[str, int]:
+        """Byte offsets of a block's fields: in the file (rows 1), or of row `row` in a block of
+        `rows` rows packed field by field (kernels/packing.py: every row's d, then every row's m, ...)."""
+        offsets, at = {}, 0
+        for name, size in self.fields:
+            offsets[name] = rows * at + size * row
+            at += size
+        return offsets
+
 
 FORMATS: dict[QType, Format] = {
-    QType.F32: Format(QType.F32, 1, 4),
-    QType.F16: Format(QType.F16, 1, 2),
-    QType.Q4_0: Format(QType.Q4_0, 32, 18),  # f16 d, 16 bytes of nibbles: v = (q - 8) * d
-    QType.Q4_1: Format(QType.Q4_1, 32, 20),  # f16 d, f16 m, 16 bytes of nibbles: v = q * d + m
-    QType.Q8_0: Format(QType.Q8_0, 32, 34),  # f16 d, 32 int8: v = q * d
-    # f16 d, uint32 of fifth bits (bit j: value j), 16 bytes of nibbles: v = (q - 16) * d
-    QType.Q5_0: Format(QType.Q5_0, 32, 22),
-    QType.Q5_1: Format(QType.Q5_1, 32, 24),  # f16 d, f16 m, uint32 of fifth bits, nibbles: v = q * d + m
-    QType.IQ4_NL: Format(QType.IQ4_NL, 32, 18),  # f16 d, 16 bytes of nibbles: v = IQ4_NL_VALUES[q] * d
-    # K-quants, super-blocks of 256 (matmuls against Q8_K activations):
-    # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of 8 sub-blocks, nibbles: v = d*sc*q - dmin*m
-    QType.Q4_K: Format(QType.Q4_K, 256, 144),
-    QType.Q5_K: Format(QType.Q5_K, 256, 176),  # Q4_K's fields, and 32 bytes of fifth bits before the nibbles
-    # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales of 16-value sub-blocks, f16 d:
-    # v = d * sc * (q - 32)
-    QType.Q6_K: Format(QType.Q6_K, 256, 210),
+    QType.F32: Format(QType.F32, 1, (("value", 4),)),
+    QType.F16: Format(QType.F16, 1, (("value", 2),)),
+    QType.Q4_0: Format(QType.Q4_0, 32, (("d", 2), ("qs", 16))),  # v = (q - 8) * d; byte k: value k low, k+16 high
+    QType.Q4_1: Format(QType.Q4_1, 32, (("d", 2), ("m", 2), ("qs", 16))),  # v = q * d + m
+    QType.Q8_0: Format(QType.Q8_0, 32, (("d", 2), ("qs", 32))),  # 32 int8: v = q * d
+    # qh: a uint32 of fifth bits (bit j: value j): v = (q - 16) * d
+    QType.Q5_0: Format(QType.Q5_0, 32, (("d", 2), ("qh", 4), ("qs", 16))),
+    QType.Q5_1: Format(QType.Q5_1, 32, (("d", 2), ("m", 2), ("qh", 4), ("qs", 16))),  # v = q * d + m
+    QType.IQ4_NL: Format(QType.IQ4_NL, 32, (("d", 2), ("qs", 16))),  # v = IQ4_NL_VALUES[q] * d
+    # K-quants, super-blocks of 256 (matmuls against Q8_K activations): 8 sub-blocks of 32 with 6-bit
+    # scales and mins packed in 12 bytes: v = d*sc*q - dmin*m; qs: 4 runs of 32 bytes, low nibbles
+    # sub-block 2j, high 2j+1
+    QType.Q4_K: Format(QType.Q4_K, 256, (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128))),
+    # Q4_K's fields and 32 bytes of fifth bits (bit i of byte b: sub-block i's value b)
+    QType.Q5_K: Format(QType.Q5_K, 256, (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128))),
+    # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales of 16-value sub-blocks: v = d * sc * (q - 32)
+    QType.Q6_K: Format(QType.Q6_K, 256, (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2))),
 }
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 # IQ4_NL's 16 levels (GGML's kvalues_iq4nl): denser near 0, where most weights are
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
-_QS_START = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.IQ4_NL: 2}  # where the nibbles start
 
 QK = 32  # block size of every quantized native format
 
@@ -117,7 +133,7 @@ def dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.float32)
         return (q * d).reshape(data.shape[0], -1)
-    qs_start = _QS_START[qtype]
+    qs_start = fmt.field_offsets()["qs"]
     qs = blocks[..., qs_start:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles first
     if qtype in (QType.Q5_0, QType.Q5_1):

@@ -491,19 +491,20 @@ def test_attention_rows_do_not_depend_on_the_batch(D):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_packed_rows_give_the_stored_rows_bits(qtype):
-    """Rows packed 4 or 8 to a group (kernels/packing.py) give every (row, token) the bits of the
+    """Rows packed 2, 4 or 8 to a group (kernels/packing.py) give every (row, token) the bits of the
     file's layout: decode strips, prefill tiles with strips for the tokens left, float64, and a
     last group padded (row counts not multiples of the group); unpacking gives the rows back."""
     from dllama.kernels.packing import PackedRows
 
+    cols = 512 if qtype in K_QUANTS else 320  # K-quants: two super-blocks
     for rows in (0, 1, 5, 8, 13, 35):
-        w = weight_matrix(qtype, max(rows, 1), 320, seed=rows).row_slice(0, rows)  # 0: a node's empty share
+        w = weight_matrix(qtype, max(rows, 1), cols, seed=rows).row_slice(0, rows)  # 0: a node's empty share
         packed = PackedRows.pack(w.data, qtype)
         assert packed.groups.shape[0] == -(-rows // packed.rows_per_group)
         np.testing.assert_array_equal(packed.unpack(), w.data)
         np.testing.assert_array_equal(packed.unpack([rows - 1, 0][:rows]), w.data[[rows - 1, 0][:rows]])
         for T in (1, 2, 3, 4, 5, 9, 17):
-            x = activations(T, 320, seed=T)
+            x = activations(T, cols, seed=T)
             for wide in (False, True):
                 ours = matmul(packed, qtype, x, wide=wide)
                 assert ours.shape == (T, rows)

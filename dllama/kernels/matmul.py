@@ -21,11 +21,11 @@ from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
 from .packing import PackedRows
 from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
-                      dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
-                      dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
-                      tile_q5_1_q8, tile_q8_0_q8)
-from .simd_q8k import (dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k,
-                       dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k, tile_q6_k_q8k)
+                      dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
+                      dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8,
+                      tile_q5_0_q8, tile_q5_1_q8, tile_q8_0_q8)
+from .simd_q8k import (K_PACKED_TILE, PACKED_K, dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide,
+                       dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k, tile_q6_k_q8k)
 
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
 # and flags it ("invalid value encountered in cast"); they stay NaNs, so the flag is noise.
@@ -161,11 +161,11 @@ def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
         tile_q8_0_packed(wp, g, i0, xq, xd, xs, t, out, col)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
-    """_mm_quant over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the
-    format's PACKED_TILE), then one strip (the group's rows x 1 token) per token left; the padded
-    last group through a scratch row."""
+@njit(inline="always", nogil=True, cache=CACHE)
+def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+    """Over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the format's
+    PACKED_TILE), then one strip (the group's rows x 1 token) per token left; the padded last group
+    through a scratch row."""
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
@@ -174,13 +174,38 @@ def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
         if g < whole:
             for t in range(0, tiled_tokens, tile_tokens):
                 for i0 in range(0, n, tile_rows):
-                    _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col + i0)
+                    tile(wp, fmt, g, i0, xq, xd, xs, t, out, col + i0)
             for t in range(tiled_tokens, T):
-                _strip(wp, fmt, g, xq, xd, xs, t, out, col)
+                strip(wp, fmt, g, xq, xd, xs, t, out, col)
         else:
             edge = np.empty((T, n), np.float32)
             for t in range(T):
-                _strip(wp, fmt, g, xq, xd, xs, t, edge, 0)
+                strip(wp, fmt, g, xq, xd, xs, t, edge, 0)
+            for t in range(T):
+                for i in range(rows - col):
+                    out[t, col + i] = edge[t, i]
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+    """_mm_quant over packed rows."""
+    _packed_products(_strip, _tile_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _packed_products_wide(strip_wide, wp, rows, n, fmt, xq, xd, xs, out):
+    """_packed_products accumulated in float64 (out float64), one strip per token."""
+    T = xq.shape[0]
+    whole = rows // n
+    for g in prange(wp.shape[0]):
+        col = g * n
+        if g < whole:
+            for t in range(T):
+                strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
+        else:
+            edge = np.empty((T, n), np.float64)
+            for t in range(T):
+                strip_wide(wp, fmt, g, xq, xd, xs, t, edge, 0)
             for t in range(T):
                 for i in range(rows - col):
                     out[t, col + i] = edge[t, i]
@@ -188,21 +213,7 @@ def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_wide(wp, rows, n, fmt, xq, xd, xs, out):
-    """_mm_packed accumulated in float64 (out float64), one strip per token."""
-    T = xq.shape[0]
-    whole = rows // n
-    for g in prange(wp.shape[0]):
-        col = g * n
-        if g < whole:
-            for t in range(T):
-                _strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
-        else:
-            edge = np.empty((T, n), np.float64)
-            for t in range(T):
-                _strip_wide(wp, fmt, g, xq, xd, xs, t, edge, 0)
-            for t in range(T):
-                for i in range(rows - col):
-                    out[t, col + i] = edge[t, i]
+    _packed_products_wide(_strip_wide, wp, rows, n, fmt, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -228,6 +239,53 @@ def _tile_k_quant(w, fmt, xq, xd, xs, r, t, out):
 def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
     """K-quant weights against Q8_K activations; wide: float64 (out is float64)."""
     _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, wide, xq, xd, xs, out)
+
+
+# the same products over packed rows of K-quants (simd_q8k.py), 8 to a group
+strip_q4_k, strip_q4_k_wide, tile_q4_k_packed = PACKED_K["q4_k"]
+strip_q5_k, strip_q5_k_wide, tile_q5_k_packed = PACKED_K["q5_k"]
+strip_q6_k, strip_q6_k_wide, tile_q6_k_packed = PACKED_K["q6_k"]
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip_k(wp, fmt, g, xq, xd, xs, t, out, col):
+    if fmt == _Q4_K:
+        strip_q4_k(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_K:
+        strip_q5_k(wp, g, 0, xq, xd, xs, t, out, col)
+    else:
+        strip_q6_k(wp, g, 0, xq, xd, xs, t, out, col)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip_k_wide(wp, fmt, g, xq, xd, xs, t, out, col):
+    if fmt == _Q4_K:
+        strip_q4_k_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_K:
+        strip_q5_k_wide(wp, g, 0, xq, xd, xs, t, out, col)
+    else:
+        strip_q6_k_wide(wp, g, 0, xq, xd, xs, t, out, col)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
+    if fmt == _Q4_K:
+        tile_q4_k_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _Q5_K:
+        tile_q5_k_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    else:
+        tile_q6_k_packed(wp, g, i0, xq, xd, xs, t, out, col)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+    """_mm_k_quant over packed rows."""
+    _packed_products(_strip_k, _tile_k_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_packed_wide(wp, rows, n, fmt, xq, xd, xs, out):
+    _packed_products_wide(_strip_k_wide, wp, rows, n, fmt, xq, xd, xs, out)
 
 
 @njit(nogil=True, cache=CACHE)
@@ -338,13 +396,21 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     elif out.strides[-1] != out.itemsize:  # a prefill tile writes each token's row as contiguous values
         raise ValueError("matmul's out must have contiguous rows")
     if isinstance(w, PackedRows):
+        fmt = QType(w.qtype).name.lower()
+        if w.qtype in _K_KERNEL:
+            k = x.q8k
+            if wide:
+                _mm_k_packed_wide(w.groups, w.rows, w.rows_per_group, _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
+            else:
+                _mm_k_packed(w.groups, w.rows, w.rows_per_group, *K_PACKED_TILE[fmt], _K_KERNEL[w.qtype], k.q, k.d,
+                             k.sums, out)
+            return out
         a = x.q8
         if wide:
             _mm_packed_wide(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
         else:
-            tile_rows, tile_tokens = PACKED_TILE[QType(w.qtype).name.lower()]
-            _mm_packed(w.groups, w.rows, w.rows_per_group, tile_rows, tile_tokens, _QUANT_KERNEL[w.qtype], a.q, a.d,
-                       a.ds, out)
+            _mm_packed(w.groups, w.rows, w.rows_per_group, *PACKED_TILE[fmt], _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds,
+                       out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8

@@ -1,4 +1,4 @@
-"""A block-format weight matrix with its rows interleaved by 4 or 8, made once at load.
+"""A block-format weight matrix with its rows interleaved by 2, 4 or 8, made once at load.
 
 Decode reads every weight once per token from DRAM. One row after another, each row's dot is one
 chain of fused multiply-adds (GGML's order), bound by the FMA's latency, not by memory: ~13 GB/s
@@ -7,7 +7,8 @@ file's layout are four short streams, which the hardware prefetcher does not fol
 slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
 ng .. ng+n-1 together, then block b+1, so that n rows are one sequential stream. Within a block of
 n rows the fields go one after another (every row's scale, then every row's quants, ...): the
-scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`).
+scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`);
+a K-quant group's 6-bit scales and mins are unpacked for all its rows at once (simd_q8k.py).
 Each row's blocks are still summed in their order, into their own accumulators: the bits are the
 file layout's.
 
@@ -17,31 +18,36 @@ once. The last group is padded with zero blocks when the rows are not a multiple
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..quant import FORMATS, QType
-from .simd_q8 import FIELDS, PACK_ROWS, field_offsets
+from .simd_q8 import PACK_ROWS
+from .simd_q8k import K_PACK_ROWS
 
-# the 32-value block formats the packed kernels cover (matmul.py); K-quants and floats stay in rows
-PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)
+# the block formats the packed kernels cover (matmul.py); floats stay in rows
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q4_K, QType.Q5_K,
+            QType.Q6_K)
 
 
 def rows_per_group(qtype: QType) -> int:
-    return PACK_ROWS[QType(qtype).name.lower()]
+    return {**PACK_ROWS, **K_PACK_ROWS}[QType(qtype).name.lower()]
 
 
+@functools.cache
 def _field_order(qtype: QType) -> np.ndarray:
     """Where each byte of n blocks side by side (row-major: row i's block at i * block bytes) goes
     in the packed block of n rows (field by field)."""
-    fmt, n = QType(qtype).name.lower(), rows_per_group(qtype)
-    sizes, block_bytes = dict(FIELDS[fmt]), FORMATS[qtype].block_bytes
+    fmt, n = FORMATS[qtype], rows_per_group(qtype)
+    sizes, block_bytes = dict(fmt.fields), fmt.block_bytes
     order = np.empty(n * block_bytes, np.int64)
     for i in range(n):
-        for (name, file_at), packed_at in zip(field_offsets(fmt).items(), field_offsets(fmt, n, i).values()):
+        for (name, file_at), packed_at in zip(fmt.field_offsets().items(), fmt.field_offsets(n, i).values()):
             size = sizes[name]
             order[i * block_bytes + file_at:i * block_bytes + file_at + size] = np.arange(packed_at, packed_at + size)
+    order.flags.writeable = False  # shared by every caller (cached)
     return order
 
 

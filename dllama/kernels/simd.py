@@ -180,6 +180,28 @@ def lane_scales(builder, low, high=None):
     return builder.shuffle_vector(low_v, high_v, const_vec(I32, list(range(n // 2)) + list(range(n, n + n // 2))))
 
 
+def scale_table(builder, values_i8, signed: bool):
+    """Sub-block scales (<n x i8>) widened to the lanes lane_scales gives (x86: i16, else i32), for
+    run_scales to pick from: one widening for every run of a block."""
+    widen = builder.sext if signed else builder.zext
+    return widen(values_i8, vec(I16 if _X86_AVX2 else I32, values_i8.type.count))
+
+
+def run_scales(builder, table, low: int, high: int | None = None):
+    """lane_scales of entries `low` (lanes 0-3) and `high` (4-7, default `low`) of a scale_table: a
+    shuffle (AVX-512: one vpermw) instead of a scalar load and broadcast per run."""
+    half = (16 if _X86_AVX2 else LANES) // 2
+    return builder.shuffle_vector(table, table, const_vec(I32, [low] * half + [low if high is None else high] * half))
+
+
+def pair_products(builder, a, b):
+    """<2n x iK>, <2n x iK> -> <n x i32>: lane k = a[2k] b[2k] + a[2k+1] b[2k+1] (signed; x86's pmaddwd
+    when both are 16-bit values)."""
+    wide = vec(I32, a.type.count)
+    return pair_sums(builder, builder.mul(builder.sext(a, wide) if a.type.element != I32 else a,
+                                          builder.sext(b, wide) if b.type.element != I32 else b))
+
+
 def scaled_quad_dot(builder, w_u8, x_i8, scales, acc):
     """acc + <8 x i32> whose lane k is scale_k * (sum of products 4k..4k+3) of unsigned weights and
     signed activations (`scales` from lane_scales): GGML's maddubs + madd by the scales on AVX2, the

@@ -11,17 +11,11 @@ from functools import partial
 from llvmlite import ir
 from numba.core import cgutils
 
+from ..quant import FORMATS, QType
 from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_32_REGISTERS, X86_VNNI, block_intrinsics, concat,
                    const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot,
                    splat, vec)
 
-# Each native block format's fields, in the file's byte order: (name, bytes). d (f16 scale) and m
-# (f16 min) are scalars; qh: Q5's fifth bits (one uint32: bit j is value j's); qs: the quants (nibbles:
-# byte k holds value k low, value k+16 high)
-FIELDS = {"q4_0": (("d", 2), ("qs", 16)), "q4_1": (("d", 2), ("m", 2), ("qs", 16)), "q8_0": (("d", 2), ("qs", 32)),
-          "q5_0": (("d", 2), ("qh", 4), ("qs", 16)), "q5_1": (("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
-          "iq4_nl": (("d", 2), ("qs", 16))}
-BLOCK_BYTES = {fmt: sum(size for _, size in fields) for fmt, fields in FIELDS.items()}
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # A tile of the prefill GEMM: each weight block unpacked once for TILE_TOKENS tokens, each activation
 # block loaded once for TILE_ROWS rows. With AVX-512's 32 registers 4 x 4 (16 accumulators), 11%
@@ -36,14 +30,9 @@ TILE = (TILE_ROWS, TILE_TOKENS)
 _BIAS = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "iq4_nl": 128}
 
 
-def field_offsets(fmt: str, rows: int = 1, row: int = 0) -> dict[str, int]:
-    """Byte offsets of a block's fields: in the file (rows 1), or of row `row` in a block of `rows`
-    rows packed field by field (kernels/packing.py: every row's d, then every row's m, ...)."""
-    offsets, at = {}, 0
-    for name, size in FIELDS[fmt]:
-        offsets[name] = rows * at + size * row
-        at += size
-    return offsets
+def block_format(fmt: str):
+    """quant.py's Format of a kernel format name ("q4_0")."""
+    return FORMATS[QType[fmt.upper()]]
 
 
 def _unpack(builder, fmt: str, fields: dict, block, biased: bool):
@@ -77,8 +66,9 @@ def _row_fields(builder, fmt: str, base, offsets: dict[str, int]) -> dict:
 def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
     """IR of the dot of every weight row as stored (pointers w_ptrs) with every activation row
     (x_rows: pointers to its values, block scales and block d*sums) -> totals[row][token]."""
-    rows = [_row_fields(builder, fmt, builder.bitcast(w_ptr, I8.as_pointer()), field_offsets(fmt)) for w_ptr in w_ptrs]
-    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, BLOCK_BYTES[fmt])
+    offsets = block_format(fmt).field_offsets()
+    rows = [_row_fields(builder, fmt, builder.bitcast(w_ptr, I8.as_pointer()), offsets) for w_ptr in w_ptrs]
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, block_format(fmt).block_bytes)
 
 
 def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, n_blocks, block_stride: int):
@@ -232,17 +222,23 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     return totals
 
 
+def group_fields(builder, fmt: str, group_ptr, i0, pack: int) -> dict:
+    """Pointers to row i0's fields in the first block of a group of `pack` rows packed field by field."""
+    fields = {}
+    for (name, size), at in zip(block_format(fmt).fields, block_format(fmt).field_offsets(pack).values()):
+        fields[name] = builder.gep(group_ptr, [builder.add(ir.Constant(I64, at),
+                                                           builder.mul(i0, ir.Constant(I64, size)))])
+    return fields
+
+
 def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, n_blocks, fmt: str, pack: int):
     """The dots of rows i0 .. i0+n_rows-1 of a group of `pack` rows packed field by field (group_ptr:
     the group's first byte) with activation rows."""
-    fields = {}
-    for (name, size), at in zip(FIELDS[fmt], field_offsets(fmt, pack).values()):  # row i0's, in the first block
-        fields[name] = builder.gep(group_ptr, [builder.add(ir.Constant(I64, at),
-                                                           builder.mul(i0, ir.Constant(I64, size)))])
-    stride = pack * BLOCK_BYTES[fmt]
+    fields = group_fields(builder, fmt, group_ptr, i0, pack)
+    stride = pack * block_format(fmt).block_bytes
     if fmt in _NIBBLE_PAIRS and n_rows % 2 == 0:
         return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, n_blocks, stride)
-    sizes = dict(FIELDS[fmt])
+    sizes = dict(block_format(fmt).fields)
     rows = [{name: builder.gep(ptr, [ir.Constant(I64, sizes[name] * i)]) for name, ptr in fields.items()}
             for i in range(n_rows)]
     return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, stride)
