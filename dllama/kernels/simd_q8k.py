@@ -52,38 +52,32 @@ def _scale_tables(builder, fmt: str, fields: dict, block, n_rows: int):
     return [builder.shuffle_vector(table, table, const_vec(I32, range(16 * i, 16 * i + 16))) for i in range(n_rows)]
 
 
-def _runs(builder, fmt: str, fields: dict, block, i: int):
-    """Row i's super-block at byte `block` past its group's field pointers: the 8 runs of 32 values
-    as (unsigned quants <32 x i8>, the run's entries in the scale table (lanes 0-3, 4-7), offset of
-    the run's activations)."""
+def _run(builder, fmt: str, fields: dict, block, i: int, k: int):
+    """Run k (values 32k .. 32k+31) of row i's super-block at byte `block` past its group's field
+    pointers: (unsigned quants <32 x i8>, the run's entries in the scale table (lanes 0-3, 4-7)).
+    Runs share loads (LLVM keeps one of each)."""
     sizes = dict(block_format(fmt).fields)
 
-    def load(name, offset, n=32):
-        return load_at(builder, fields[name], builder.add(block, ir.Constant(I64, sizes[name] * i + offset)), I8, n)
+    def load(name, offset):
+        return load_at(builder, fields[name], builder.add(block, ir.Constant(I64, sizes[name] * i + offset)), I8, 32)
 
     def splat8(v):
         return const_vec(I8, [v] * 32)
 
-    runs = []
-    if fmt in ("q4_k", "q5_k"):
-        fifth_bits = load("qh", 0) if fmt == "q5_k" else None
-        for j in range(4):  # 64 values: low nibbles = sub-block 2j, high = 2j+1
-            packed = load("qs", 32 * j)
-            for half, nibbles in enumerate((builder.and_(packed, splat8(15)), builder.lshr(packed, splat8(4)))):
-                if fifth_bits is not None:  # bit 2j+half of byte b: value b's fifth bit
-                    bit = builder.and_(builder.lshr(fifth_bits, splat8(2 * j + half)), splat8(1))
-                    nibbles = builder.or_(nibbles, builder.shl(bit, splat8(4)))
-                runs.append((nibbles, (2 * j + half, 2 * j + half), 64 * j + 32 * half))
-        return runs
-    for j in range(2):  # q6_k: 128 values per chunk, 4 runs of 32 (two 16-value sub-blocks each)
-        low1, low2, high = load("ql", 64 * j), load("ql", 64 * j + 32), load("qh", 32 * j)
-        lows = (builder.and_(low1, splat8(15)), builder.and_(low2, splat8(15)),
-                builder.lshr(low1, splat8(4)), builder.lshr(low2, splat8(4)))
-        for k in range(4):
-            top = builder.and_(builder.lshr(high, splat8(2 * k)), splat8(3))
-            s = 2 * (4 * j + k)
-            runs.append((builder.or_(lows[k], builder.shl(top, splat8(4))), (s, s + 1), 128 * j + 32 * k))
-    return runs
+    if fmt in ("q4_k", "q5_k"):  # 64 values per 32 bytes: low nibbles = sub-block 2j, high = 2j+1
+        packed = load("qs", 32 * (k // 2))
+        nibbles = builder.and_(packed, splat8(15)) if k % 2 == 0 else builder.lshr(packed, splat8(4))
+        if fmt == "q5_k":  # bit k of byte b: value b's fifth bit
+            bit = builder.and_(builder.lshr(load("qh", 0), splat8(k)), splat8(1))
+            nibbles = builder.or_(nibbles, builder.shl(bit, splat8(4)))
+        return nibbles, (k, k)
+    # q6_k: per 128 values (j), runs of 32 from the low nibbles of ql's 64 bytes, then the high
+    # nibbles, and 2 more bits from qh; two 16-value sub-blocks (scales) each
+    j, m = divmod(k, 4)
+    low = load("ql", 64 * j + 32 * (m % 2))
+    low = builder.and_(low, splat8(15)) if m < 2 else builder.lshr(low, splat8(4))
+    top = builder.and_(builder.lshr(load("qh", 32 * j), splat8(2 * m)), splat8(3))
+    return builder.or_(low, builder.shl(top, splat8(4))), (2 * k, 2 * k + 1)
 
 
 def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, block_stride: int):
@@ -127,7 +121,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
             x_d = builder.load(builder.gep(xd_ptr, [b]))
             xq_at = builder.mul(b, ir.Constant(I64, 256))
             xq = {offset: load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(I64, offset)), I8, 32)
-                  for offset in range(0, 256, 32)}
+                  for offset in range(0, 256, 32)}  # run k's activations at 32k
             sums = builder.load(builder.bitcast(builder.gep(xs_ptr, [builder.mul(b, ir.Constant(I64, 16))]),
                                                 vec(I32, 16).as_pointer()), align=4)  # the 16-sums (int8 x 16: i16)
             # Q4_K/Q5_K: the 32-sums, which meet the mins; Q6_K: the 16-sums, which meet the scales
@@ -139,13 +133,22 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
             dmin = [builder.fmul(splat(builder, builder.fneg(x_d_wide), v.type.count), v) for v in dmin_w] \
                 if dmin_w is not None else None
             per_token.append((xq, sums, d, dmin))
-        for r, (g, i) in enumerate(rows):  # a row's runs unpacked once for every token, then dropped
-            runs, table = _runs(builder, fmt, groups[g][0], block, i), tables[g][i]
+        # The integer lanes of every pair, then each pair's float operations. Several tokens: run by
+        # run (one run's quants and scale per row live at a time, shared by the tokens; row by row
+        # they spill: Q6_K's 2 x 4 tile 1.3x slower); one token: row by row (run by run 1.3x slower)
+        sumi = {pair: ir.Constant(vec(I32, LANES), [0] * LANES) for pair in pairs}
+        order = [(k, r) for k in range(8) for r in range(len(rows))] if len(x_rows) > 1 \
+            else [(k, r) for r in range(len(rows)) for k in range(8)]
+        for k, r in order:
+            g, i = rows[r]
+            quants, (low, high) = _run(builder, fmt, groups[g][0], block, i, k)
+            scales = run_scales(builder, tables[g][i], low, high)
+            for j, (xq, _, _, _) in enumerate(per_token):
+                sumi[r, j] = scaled_quad_dot(builder, quants, xq[32 * k], scales, sumi[r, j])
+        for r, (g, i) in enumerate(rows):
+            table = tables[g][i]
             for j, (xq, sums, d, dmin) in enumerate(per_token):
                 pair = (r, j)
-                sumi = ir.Constant(vec(I32, LANES), [0] * LANES)
-                for quants, (low, high), offset in runs:
-                    sumi = scaled_quad_dot(builder, quants, xq[offset], run_scales(builder, table, low, high), sumi)
                 if fmt in ("q4_k", "q5_k"):
                     # mins: lane m = min[2m] * S[2m] + min[2m+1] * S[2m+1], S[i] the 32-sum of sub-block i
                     mins = builder.shuffle_vector(table, table, const_vec(I32, range(8, 16)))
@@ -159,9 +162,9 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
                         accumulate(pair, "summs", dmin_i, builder.sitofp(whole, acc_t))
                 else:  # the values are stored + 32: lane l takes back 32 * (S16[2l] sc[2l] + S16[2l+1] sc[2l+1])
                     offset = pair_products(builder, table, sums)
-                    sumi = builder.sub(sumi, builder.shl(offset, const_vec(I32, [5] * LANES)))
+                    sumi[pair] = builder.sub(sumi[pair], builder.shl(offset, const_vec(I32, [5] * LANES)))
                 d_i = builder.extract_element(d[g], ir.Constant(I32, i))
-                accumulate(pair, "acc", splat(builder, d_i, LANES), builder.sitofp(sumi, vec(acc_t, LANES)))
+                accumulate(pair, "acc", splat(builder, d_i, LANES), builder.sitofp(sumi[pair], vec(acc_t, LANES)))
     totals = [[None] * len(x_rows) for _ in rows]
     for r, j in pairs:
         total = hsum_float_8(builder, builder.load(slots[(r, j), "acc"]))
@@ -197,10 +200,11 @@ dot_q5_k_q8k, dot_q5_k_q8k_wide, tile_q5_k_q8k = block_intrinsics(_emit_stored, 
 dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q6_k_q8k = block_intrinsics(_emit_stored, "q6_k", "q8k", I32, TILE)
 
 # The same over rows packed by K_PACK_ROWS (kernels/packing.py): strip = K_PACK_ROWS rows x 1 token,
-# tile = K_PACKED_TILE rows x tokens. From measurement (Zen 4, 1 core, from DRAM, one token, against the
-# rows as stored): Q4_K by 4 rows 1.15-1.4x (by 8 faster on 2048 columns but slower on 8192, where a
-# group's stream between two reads of the activations outgrows L1; by 2 slower), Q6_K by 2 1.0-1.25x
-# (by 4 or 8: 2x slower, spilling registers); prefill tiles: Q4_K 4 x 4 1.1x, Q6_K as stored.
+# tile = K_PACKED_TILE rows x tokens. From measurement (Zen 4, 1 core, from DRAM), one token against the
+# rows as stored: Q4_K by 4 rows 1.15-1.4x (by 8 faster on 2048 columns, slower on 8192, as Q4_0's 8-row
+# groups are too; by 2 slower), Q6_K by 2 1.0-1.25x (by 4 or 8 2x slower: spilled registers); prefill
+# tiles (run by run, see _emit_k_dots) against the stored rows' 4 x 4: Q4_K 4 x 4 and Q6_K 2 x 4 1.05-1.1x
+# (4 x 2, 4 x 6, 4 x 8, 2 x 8 no better).
 K_PACK_ROWS = {"q4_k": 4, "q5_k": 4, "q6_k": 2}
 K_PACKED_TILE = {"q4_k": TILE, "q5_k": TILE, "q6_k": (2, TILE[1])}
 assert all(rows % K_PACKED_TILE[fmt][0] == 0 for fmt, rows in K_PACK_ROWS.items())
