@@ -24,7 +24,7 @@ from .kv_cache import KVCache, round_capacity
 from .plan import Shard
 from .quant import FORMATS
 from .projection import ALONE, Collectives, Gather, Reduce
-from .weights import Experts, Matrix
+from .weights import Experts, Matrix, stack_rows
 
 
 @dataclass
@@ -52,6 +52,13 @@ class LayerWeights:
     attn_post_norm: np.ndarray | None = None  # RMS norms of the whole attention / FFN output (Gemma)
     ffn_post_norm: np.ndarray | None = None
     router: Matrix | None = None  # a mixture of experts' router (n_experts rows), whole on every node
+    # wq, wk, wv (w_gate, w_up) as one matrix where they can share one (weights.stack_rows: they are
+    # views of it); not counted again in nbytes
+    wqkv: Matrix | None = None
+    w_gate_up: Matrix | None = None
+
+
+_STACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 @dataclass
@@ -89,17 +96,24 @@ class ShardWeights:
 
     @classmethod
     def from_tensors(cls, t: dict[str, Matrix | Experts | np.ndarray]) -> "ShardWeights":
-        """From `shard_tensors`' names; expert stacks may come as one matrix each (as they travel)."""
+        """From `shard_tensors`' names; expert stacks may come as one matrix each (as they travel).
+        Takes the layers' tensors out of t, so that matrices stacked into one (stack_rows) are freed
+        layer by layer as their copy is made (peak RAM: the weights and one layer's stack)."""
         layers: dict[int, dict] = {}
-        for name, value in t.items():
-            if name.startswith("blk."):
-                _, index, part = name.split(".", 2)
-                layers.setdefault(int(index), {})[_FIELD[part]] = value
+        for name in [name for name in t if name.startswith("blk.")]:
+            _, index, part = name.split(".", 2)
+            layers.setdefault(int(index), {})[_FIELD[part]] = t.pop(name)
         for fields in layers.values():
             if fields.get("router") is not None:
                 for key in ("w_gate", "w_up", "w_down"):
                     if isinstance(fields[key], Matrix):
                         fields[key] = Experts.of(fields[key], fields["router"].rows)
+            for stacked, parts in _STACKED.items():
+                if all(isinstance(fields.get(part), Matrix) for part in parts):
+                    both = stack_rows([fields[part] for part in parts])
+                    if both is not None:
+                        fields[stacked], views = both
+                        fields.update(zip(parts, views))
         return cls([LayerWeights(**layers[i]) for i in range(len(layers))], t["output_norm"], t["output"],
                    t.get("rope_freqs"))
 
@@ -107,9 +121,15 @@ class ShardWeights:
     def nbytes(self) -> int:
         total = self.lm_head.nbytes + self.output_norm.nbytes
         for layer in self.layers:
-            for value in vars(layer).values():
-                total += 0 if value is None else value.nbytes
+            for name, value in vars(layer).items():
+                total += 0 if value is None or name in _STACKED else value.nbytes
         return total
+
+
+def split_columns(products: np.ndarray, at: tuple[int, ...]) -> list[np.ndarray]:
+    """A stacked matrix's products (T, rows) cut back into each matrix's (T, its rows), contiguous
+    (a view for one token, a copy for several: the kernels after them take rows without gaps)."""
+    return [np.ascontiguousarray(part) for part in np.split(products, at, axis=1)]
 
 
 def packed_for_kernels(name: str, tensor):
@@ -256,7 +276,10 @@ class ShardModel:
             # attention over this node's heads
             h = Activations(rmsnorm(x, w.attn_norm, cfg.norm_eps))
             if nq:
-                q, k, v = w.wq.matmul(h), w.wk.matmul(h), w.wv.matmul(h)
+                if w.wqkv is not None:  # one product for the three
+                    q, k, v = split_columns(w.wqkv.matmul(h), (w.wq.rows, w.wq.rows + w.wk.rows))
+                else:
+                    q, k, v = w.wq.matmul(h), w.wk.matmul(h), w.wv.matmul(h)
                 if w.bq is not None:  # Qwen2, some Llama GGUFs
                     q += w.bq
                     k += w.bk
@@ -287,7 +310,10 @@ class ShardModel:
             # feed-forward over this node's hidden units (of each expert, in a mixture of experts)
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
             if w.router is None:
-                g, u = w.w_gate.matmul(h), w.w_up.matmul(h)
+                if w.w_gate_up is not None:
+                    g, u = split_columns(w.w_gate_up.matmul(h), (w.w_gate.rows,))
+                else:
+                    g, u = w.w_gate.matmul(h), w.w_up.matmul(h)
                 if w.b_gate is not None:  # some Llama GGUFs
                     g += w.b_gate
                     u += w.b_up

@@ -73,6 +73,26 @@ class Matrix:
         return dequantize(np.ascontiguousarray(self.data[index]), self.qtype)
 
 
+def stack_rows(matrices: list[Matrix]) -> tuple[Matrix, list[Matrix]] | None:
+    """One packed matrix of the rows of `matrices`, one after another, and the matrices again as
+    views of it (RAM: the rows once). Q, K and V (or gate and up) become one product per layer: a
+    kernel call costs 10-30 us, as much as a small matrix's product on a 135M model. The bits are
+    each row's, wherever it sits. None where they cannot share one: not all packed, formats or
+    widths differ, or a matrix's last group is padded (its rows not a multiple of the group)."""
+    first = matrices[0]
+    if not all(isinstance(m.data, PackedRows) and m.qtype == first.qtype and m.cols == first.cols
+               and m.rows % m.data.rows_per_group == 0 for m in matrices):
+        return None
+    groups = np.concatenate([m.data.groups for m in matrices])
+    rows = sum(m.rows for m in matrices)
+    views, at = [], 0
+    for m in matrices:
+        count = m.data.groups.shape[0]
+        views.append(Matrix(m.qtype, m.rows, m.cols, PackedRows(m.qtype, m.rows, groups[at:at + count])))
+        at += count
+    return Matrix(first.qtype, rows, first.cols, PackedRows(first.qtype, rows, groups)), views
+
+
 @dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts layer's stack of n matrices of one shape (a 3-D GGUF tensor, expert

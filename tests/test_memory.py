@@ -79,6 +79,32 @@ def test_block_format_matrices_are_packed_into_ram_with_the_same_rows(gguf_model
     assert np.shares_memory(gguf_model.matrix("token_embd.weight").data, gguf_model.file.data("token_embd.weight"))
 
 
+def test_q_k_v_and_gate_up_are_one_matrix_each_held_once(gguf_model):
+    """Each layer's Q, K and V (gate and up) are stacked into one packed matrix, one product per
+    layer: the three are views of it (RAM: the rows once, and nbytes counts them once), its
+    products are theirs bit for bit, and where formats differ they stay apart."""
+    from dllama.kernels.activations import Activations
+    from dllama.model import ShardWeights
+    from dllama.plan import Plan
+    from dllama.quant import QType, quantize
+    from dllama.weights import Matrix, stack_rows
+
+    weights = ShardWeights.from_gguf(gguf_model, Plan.single(gguf_model.config).shards[0])
+    layer = weights.layers[0]
+    for stacked, parts in ((layer.wqkv, (layer.wq, layer.wk, layer.wv)), (layer.w_gate_up, (layer.w_gate, layer.w_up))):
+        assert stacked is not None and stacked.rows == sum(p.rows for p in parts)
+        assert all(np.shares_memory(p.data.groups, stacked.data.groups) for p in parts)
+        x = Activations(np.random.default_rng(0).standard_normal((3, stacked.cols), dtype=np.float32))
+        np.testing.assert_array_equal(stacked.matmul(x), np.concatenate([p.matmul(x) for p in parts], axis=1))
+    parts_bytes = sum(m.nbytes for layer in weights.layers for m in (layer.wq, layer.wk, layer.wv, layer.w_gate,
+                                                                         layer.w_up, layer.w_down, layer.wo))
+    assert weights.nbytes < parts_bytes + weights.lm_head.nbytes + 1_000_000  # norms only beside the matrices
+    values = np.random.default_rng(1).standard_normal((16, 64), dtype=np.float32)
+    q4_0, q8_0 = (Matrix(q, 16, 64, quantize(values, q)).packed() for q in (QType.Q4_0, QType.Q8_0))
+    assert stack_rows([q4_0, q8_0]) is None  # formats differ
+    assert stack_rows([q4_0, Matrix(QType.Q4_0, 5, 64, quantize(values[:5], QType.Q4_0)).packed()]) is None  # padded
+
+
 def test_other_formats_stay_in_the_map_and_their_column_slices_are_copied(synthetic_model):
     """Without a packed kernel (F16 here), whole matrices and row slices stay views of the map;
     reduce mode's Wo and W2 column slices are copied into compact rows once (read from the map
