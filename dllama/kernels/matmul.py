@@ -241,7 +241,7 @@ def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
     _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, wide, xq, xd, xs, out)
 
 
-# the same products over packed rows of K-quants (simd_q8k.py), 8 to a group
+# the same products over packed rows of K-quants (simd_q8k.py), 4 or 2 to a group
 strip_q4_k, strip_q4_k_wide, tile_q4_k_packed = PACKED_K["q4_k"]
 strip_q5_k, strip_q5_k_wide, tile_q5_k_packed = PACKED_K["q5_k"]
 strip_q6_k, strip_q6_k_wide, tile_q6_k_packed = PACKED_K["q6_k"]

@@ -3,7 +3,7 @@ against Q8_K activations, in the order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K. A
 32-block formats (simd_q8.py) because their layout, their activations and their summation differ
 throughout; the shared IR pieces are in simd.py, the numpy reference is matmul.py's matmul_ref.
 
-One emitter serves rows as stored and rows packed by 8 (kernels/packing.py): a group's scales are
+One emitter serves rows as stored and rows packed by 4 or 2 (kernels/packing.py): a group's scales are
 vector loads, its 6-bit scales and mins unpacked for all its rows at once (GGML's bit operations on
 lanes), and each run's scale is a shuffle of its row's table. The integer lanes are exact whatever
 instructions compute them; the float operations are GGML's, per (row, token), in its order.
