@@ -83,12 +83,12 @@ def stack_rows(matrices: list[Matrix]) -> tuple[Matrix, list[Matrix]] | None:
     if not all(isinstance(m.data, PackedRows) and m.qtype == first.qtype and m.cols == first.cols
                and m.rows % m.data.rows_per_group == 0 for m in matrices):
         return None
-    groups = np.concatenate([m.data.groups for m in matrices])
+    groups = np.concatenate([m.data.groups for m in matrices], axis=1)  # (spans, groups, span bytes)
     rows = sum(m.rows for m in matrices)
     views, at = [], 0
     for m in matrices:
-        count = m.data.groups.shape[0]
-        views.append(Matrix(m.qtype, m.rows, m.cols, PackedRows(m.qtype, m.rows, groups[at:at + count])))
+        count = m.data.groups.shape[1]
+        views.append(Matrix(m.qtype, m.rows, m.cols, PackedRows(m.qtype, m.rows, groups[:, at:at + count])))
         at += count
     return Matrix(first.qtype, rows, first.cols, PackedRows(first.qtype, rows, groups)), views
 

@@ -13,13 +13,14 @@ matvec, T > 1 the batched prefill, where each weight row is read once for all T 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
 from .packing import PackedRows
+from .simd import CARRIED_PER_ROW
 from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
                       dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
                       dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8,
@@ -105,12 +106,12 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
 
 
 # the same products over packed rows (packing.py), 4 or 8 to a group; same bits as above
-strip_q4_0, strip_q4_0_wide, tile_q4_0_packed = PACKED["q4_0"]
-strip_q4_1, strip_q4_1_wide, tile_q4_1_packed = PACKED["q4_1"]
-strip_q8_0, strip_q8_0_wide, tile_q8_0_packed = PACKED["q8_0"]
-strip_q5_0, strip_q5_0_wide, tile_q5_0_packed = PACKED["q5_0"]
-strip_q5_1, strip_q5_1_wide, tile_q5_1_packed = PACKED["q5_1"]
-strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed = PACKED["iq4_nl"]
+strip_q4_0, strip_q4_0_wide, tile_q4_0_packed, span_q4_0 = PACKED["q4_0"]
+strip_q4_1, strip_q4_1_wide, tile_q4_1_packed, span_q4_1 = PACKED["q4_1"]
+strip_q8_0, strip_q8_0_wide, tile_q8_0_packed, span_q8_0 = PACKED["q8_0"]
+strip_q5_0, strip_q5_0_wide, tile_q5_0_packed, span_q5_0 = PACKED["q5_0"]
+strip_q5_1, strip_q5_1_wide, tile_q5_1_packed, span_q5_1 = PACKED["q5_1"]
+strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed, span_iq4_nl = PACKED["iq4_nl"]
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -169,7 +170,7 @@ def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, 
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
-    for g in prange(wp.shape[0]):
+    for g in prange(wp.shape[1]):
         col = g * n
         if g < whole:
             for t in range(0, tiled_tokens, tile_tokens):
@@ -193,11 +194,54 @@ def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
+def _strip_span(wp, fmt, g, s, xq, xd, xs, out, col, carry):
+    if fmt == _Q4_1:
+        span_q4_1(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q4_0:
+        span_q4_0(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_0:
+        span_q5_0(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_1:
+        span_q5_1(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _IQ4_NL:
+        span_iq4_nl(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    else:
+        span_q8_0(wp, g, s, xq, xd, xs, 0, out, col, carry)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _spanned_strips(strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out):
+    """One token over packed rows of several spans (packing.py): each of `parts` threads walks its
+    groups span by span, every row's accumulators carried from span to span (the bits of whole
+    rows), so that a span of activations stays in L1 while the groups' spans of weights stream past
+    as one sequential read."""
+    n_spans, n_groups = wp.shape[0], wp.shape[1]
+    whole = rows // n
+    carry = np.empty((n_groups, CARRIED_PER_ROW * n), np.float32)
+    edge = np.empty((1, n), np.float32)
+    parts = min(n_groups, parts)
+    for p in prange(parts):
+        for s in range(n_spans):
+            for g in range(p * n_groups // parts, (p + 1) * n_groups // parts):
+                if g < whole:
+                    strip_span(wp, fmt, g, s, xq, xd, xs, out, g * n, carry)
+                else:
+                    strip_span(wp, fmt, g, s, xq, xd, xs, edge, 0, carry)
+    for i in range(rows - whole * n):
+        out[0, whole * n + i] = edge[0, i]
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_packed_spans(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _spanned_strips(_strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
 def _packed_products_wide(strip_wide, wp, rows, n, fmt, xq, xd, xs, out):
     """_packed_products accumulated in float64 (out float64), one strip per token."""
     T = xq.shape[0]
     whole = rows // n
-    for g in prange(wp.shape[0]):
+    for g in prange(wp.shape[1]):
         col = g * n
         if g < whole:
             for t in range(T):
@@ -242,9 +286,9 @@ def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
 
 
 # the same products over packed rows of K-quants (simd_q8k.py), 4 or 2 to a group
-strip_q4_k, strip_q4_k_wide, tile_q4_k_packed = PACKED_K["q4_k"]
-strip_q5_k, strip_q5_k_wide, tile_q5_k_packed = PACKED_K["q5_k"]
-strip_q6_k, strip_q6_k_wide, tile_q6_k_packed = PACKED_K["q6_k"]
+strip_q4_k, strip_q4_k_wide, tile_q4_k_packed, span_q4_k = PACKED_K["q4_k"]
+strip_q5_k, strip_q5_k_wide, tile_q5_k_packed, span_q5_k = PACKED_K["q5_k"]
+strip_q6_k, strip_q6_k_wide, tile_q6_k_packed, span_q6_k = PACKED_K["q6_k"]
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -281,6 +325,21 @@ def _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
     """_mm_k_quant over packed rows."""
     _packed_products(_strip_k, _tile_k_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip_k_span(wp, fmt, g, s, xq, xd, xs, out, col, carry):
+    if fmt == _Q4_K:
+        span_q4_k(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_K:
+        span_q5_k(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    else:
+        span_q6_k(wp, g, s, xq, xd, xs, 0, out, col, carry)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_packed_spans(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _spanned_strips(_strip_k_span, wp, rows, n, parts, fmt, xq, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -399,6 +458,10 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         fmt = QType(w.qtype).name.lower()
         if w.qtype in _K_KERNEL:
             k = x.q8k
+            if x.tokens == 1 and not wide and w.groups.shape[0] > 1:
+                _mm_k_packed_spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _K_KERNEL[w.qtype], k.q,
+                                   k.d, k.sums, out)
+                return out
             if wide:
                 _mm_k_packed_wide(w.groups, w.rows, w.rows_per_group, _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
             else:
@@ -406,6 +469,10 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
                              k.sums, out)
             return out
         a = x.q8
+        if x.tokens == 1 and not wide and w.groups.shape[0] > 1:
+            _mm_packed_spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _QUANT_KERNEL[w.qtype], a.q, a.d,
+                             a.ds, out)
+            return out
         if wide:
             _mm_packed_wide(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
         else:

@@ -19,6 +19,7 @@ reference in `matmul.py` / `ops.py` / `attention.py`, and tests check them.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -33,6 +34,9 @@ from ..quant import IQ4_NL_VALUES
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 LANES = 8
+_ZERO = ir.Constant(I64, 0)
+# accumulator elements a packed strip may carry per row from one span of blocks to the next (Span)
+CARRIED_PER_ROW = 16
 
 
 def vec(elem: ir.Type, n: int) -> ir.VectorType:
@@ -224,6 +228,53 @@ def pair_sums(builder, v):
                        builder.shuffle_vector(v, v, const_vec(I32, range(1, 2 * n, 2))))
 
 
+class Span:
+    """The blocks a row dot runs over and where its accumulators start. A row's blocks lie in spans
+    of `per_span` blocks, `span_bytes` apart (rows packed span-major, kernels/packing.py; a row as
+    stored is one span); the dot runs over spans [first, stop). Its accumulators start at zero, or,
+    with carry (a pointer to acc_t elements), from what the same row's earlier spans left there
+    (zero on span 0), and are saved there after: a row computed span by span adds every block in the
+    same order into the same accumulators, the bits of the whole row at once."""
+
+    def __init__(self, first, stop, per_span, span_bytes, carry=None):
+        self.first, self.stop, self.per_span, self.span_bytes, self.carry = first, stop, per_span, span_bytes, carry
+        self._slots, self.carried = [], 0
+
+    @classmethod
+    def whole(cls, n_blocks) -> "Span":
+        """A row's n_blocks as one span (a row as stored)."""
+        return cls(_ZERO, ir.Constant(I64, 1), n_blocks, _ZERO)
+
+    @contextmanager
+    def loop(self, builder, block_stride: int):
+        """`with span.loop(builder, block_stride) as (b, block):` the body once per block, b its
+        index in the row, block its byte offset from the row's first block (blocks block_stride
+        bytes apart within a span)."""
+        with cgutils.for_range_slice(builder, self.first, self.stop, ir.Constant(I64, 1)) as (s, _):
+            span_at = builder.mul(s, self.span_bytes)
+            b0 = builder.mul(s, self.per_span)
+            with cgutils.for_range(builder, self.per_span) as inner:
+                i = inner.index
+                yield builder.add(b0, i), builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
+
+    def accumulator(self, builder, zero: ir.Constant):
+        """A slot (alloca) holding zero, or the value carried in."""
+        slot = cgutils.alloca_once(builder, zero.type)
+        init = zero
+        if self.carry is not None:
+            saved = builder.bitcast(builder.gep(self.carry, [ir.Constant(I64, self.carried)]), zero.type.as_pointer())
+            init = builder.select(builder.icmp_signed("==", self.first, _ZERO), zero, builder.load(saved, align=4))
+            self._slots.append((slot, saved))
+            self.carried += zero.type.count if isinstance(zero.type, ir.VectorType) else 1
+        builder.store(init, slot)
+        return slot
+
+    def save(self, builder) -> None:
+        """Store the accumulators for the row's next span (call after the loop)."""
+        for slot, saved in self._slots:
+            builder.store(builder.load(slot), saved, align=4)
+
+
 def row_ptr(context, builder, array_type, array, row):
     """Pointer to array[row, 0] of a 2-D array whose rows are contiguous. Indexing through the
     array struct (not a numba view per row) avoids a reference count update per row, which is an
@@ -276,7 +327,7 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
     row t (values xq, block scales xd, per-block sums xs of sums_type); tile(w, r, xq, xd, xs, t,
     out): out[t + j, r + i] = dot(w, r + i, xq, xd, xs, t + j) for (i, j) < tile_shape, bit for bit
     (out float32). emit_dots(builder, fmt, acc_type, weight row pointers, activation row pointers,
-    number of blocks) -> totals[row][token] writes the IR; it gives each pair its own accumulators,
+    Span of the blocks) -> totals[row][token] writes the IR; it gives each pair its own accumulators,
     added to in the order of the pair alone, so a tile's pairs are the dots' bits."""
 
     def dot(wide: bool):
@@ -285,7 +336,7 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
         def typer(typingctx, w, r, xq, xd, xs, t):
             def codegen(context, builder, signature, args):
                 w_ptrs, x_rows, n_blocks = tile_operands(context, builder, signature, args, sums_type, 1, 1)
-                return emit_dots(builder, fmt, acc_t, w_ptrs, x_rows, n_blocks)[0][0]
+                return emit_dots(builder, fmt, acc_t, w_ptrs, x_rows, Span.whole(n_blocks))[0][0]
 
             return (types.float64 if wide else types.float32)(w, r, xq, xd, xs, t), codegen
 
@@ -295,7 +346,8 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
     def tile_typer(typingctx, w, r, xq, xd, xs, t, out):
         def codegen(context, builder, signature, args):
             w_ptrs, x_rows, n_blocks = tile_operands(context, builder, signature, args, sums_type, *tile_shape)
-            store_tile(context, builder, signature, args, emit_dots(builder, fmt, F32, w_ptrs, x_rows, n_blocks))
+            totals = emit_dots(builder, fmt, F32, w_ptrs, x_rows, Span.whole(n_blocks))
+            store_tile(context, builder, signature, args, totals)
             return context.get_dummy_value()
 
         return types.void(w, r, xq, xd, xs, t, out), codegen
@@ -305,34 +357,43 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
 
 
 def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pack: int,
-                      tile_shape: tuple[int, int]):
-    """The intrinsics (strip, strip_wide, tile) of one weight format in rows packed by `pack`
-    (kernels/packing.py: row g of wp holds rows pack*g .. pack*g+pack-1, block after block),
-    named strip_<fmt>_<suffix>, ...:
+                      tile_shape: tuple[int, int], block_bytes: int):
+    """The intrinsics (strip, strip_wide, tile, strip_span) of one weight format in rows packed by
+    `pack` (kernels/packing.py: wp[s, g] holds span s of rows pack*g .. pack*g+pack-1, block after
+    block, each block_bytes per row), named strip_<fmt>_<suffix>, ...:
     strip(wp, g, i0, xq, xd, xs, t, out, col): out[t, col + i] = the dot of row pack*g + i with
     activation row t, for i < pack (i0 is 0); strip_wide the same in float64 (out float64);
     tile(wp, g, i0, xq, xd, xs, t, out, col): out[t + j, col + i] = the dot of row pack*g + i0 + i
-    with activation row t + j for (i, j) < tile_shape. emit_packed(builder, acc type, group pointer,
-    i0, rows, activation row pointers, number of blocks) -> totals[row][token] writes the IR; each
-    pair summed as by block_intrinsics' dot (its own accumulators, the one-pair order), so the bits
-    do not depend on the layout either; the layout makes a group of rows one sequential stream."""
+    with activation row t + j for (i, j) < tile_shape;
+    strip_span(wp, g, s, xq, xd, xs, t, out, col, carry): strip over span s alone, its accumulators
+    taken from carry[g] (unless s is 0) and left there (float32, CARRIED_PER_ROW * pack of them):
+    after the last span, out holds the strip's bits.
+    emit_packed(builder, acc type, group pointer, i0, rows, activation row pointers, Span) ->
+    totals[row][token] writes the IR; each pair summed as by block_intrinsics' dot (its own
+    accumulators, the one-pair order), so the bits do not depend on the layout either; the layout
+    makes a group of rows one sequential stream."""
+
+    group_bytes = pack * block_bytes
+
+    def spans_of(context, builder, wp_type, wp, first=None):
+        """The Span of a group's blocks in packed rows wp (spans, groups, span bytes): all its spans,
+        or span `first` alone, with its accumulators carried."""
+        a = context.make_array(wp_type)(context, builder, value=wp)
+        per_span = builder.udiv(builder.extract_value(a.shape, 2), ir.Constant(I64, group_bytes))
+        span_bytes = builder.extract_value(a.strides, 0)
+        if first is None:
+            return Span(_ZERO, builder.extract_value(a.shape, 0), per_span, span_bytes)
+        return Span(first, builder.add(first, ir.Constant(I64, 1)), per_span, span_bytes)
 
     def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):
             def codegen(context, builder, signature, args):
                 ty = signature.args
-                group = context.cast(builder, args[1], ty[1], types.intp)
-                first = context.cast(builder, args[2], ty[2], types.intp)
-                group_ptr = row_ptr(context, builder, ty[0], args[0], group)
-                x_rows, n_blocks = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
-                totals = emit_packed(builder, acc_t, group_ptr, first, n_rows, x_rows, n_blocks)
-                tok = context.cast(builder, args[6], ty[6], types.intp)
-                col = context.cast(builder, args[8], ty[8], types.intp)
-                for j in range(n_tokens):
-                    out_row = row_ptr(context, builder, ty[7], args[7], builder.add(tok, ir.Constant(I64, j)))
-                    out_row = builder.bitcast(out_row, acc_t.as_pointer())
-                    for i in range(n_rows):
-                        builder.store(totals[i][j], builder.gep(out_row, [builder.add(col, ir.Constant(I64, i))]))
+                x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
+                i0 = context.cast(builder, args[2], ty[2], types.intp)
+                totals = emit_packed(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows,
+                                     spans_of(context, builder, ty[0], args[0]))
+                _store_group(context, builder, ty, args, totals)
                 return context.get_dummy_value()
 
             return types.void(wp, g, i0, xq, xd, xs, t, out, col), codegen
@@ -340,5 +401,39 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
         typer.__name__ = name
         return intrinsic(typer)
 
+    def span_typer(typingctx, wp, g, s, xq, xd, xs, t, out, col, carry):
+        def codegen(context, builder, signature, args):
+            ty = signature.args
+            x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, 1)
+            span = spans_of(context, builder, ty[0], args[0], context.cast(builder, args[2], ty[2], types.intp))
+            group = context.cast(builder, args[1], ty[1], types.intp)
+            span.carry = builder.bitcast(row_ptr(context, builder, ty[9], args[9], group), F32.as_pointer())
+            totals = emit_packed(builder, F32, _group_ptr(context, builder, ty, args), _ZERO, pack, x_rows, span)
+            assert span.carried <= CARRIED_PER_ROW * pack, "a group's carry row is too short"
+            _store_group(context, builder, ty, args, totals)
+            return context.get_dummy_value()
+
+        return types.void(wp, g, s, xq, xd, xs, t, out, col, carry), codegen
+
+    span_typer.__name__ = f"strip_span_{fmt}_{suffix}"
     return (build(pack, 1, F32, f"strip_{fmt}_{suffix}"), build(pack, 1, F64, f"strip_{fmt}_{suffix}_wide"),
-            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"))
+            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"), intrinsic(span_typer))
+
+
+def _group_ptr(context, builder, ty, args):
+    """Pointer to the first byte of group args[1] of the packed rows args[0] (spans, groups, bytes)."""
+    a = context.make_array(ty[0])(context, builder, value=args[0])
+    group = context.cast(builder, args[1], ty[1], types.intp)
+    base = builder.bitcast(a.data, I8.as_pointer())
+    return builder.gep(base, [builder.mul(group, builder.extract_value(a.strides, 1))])
+
+
+def _store_group(context, builder, ty, args, totals):
+    """out[t + j, col + i] = totals[i][j] for (wp, g, _, xq, xd, xs, t, out, col) = args."""
+    tok = context.cast(builder, args[6], ty[6], types.intp)
+    col = context.cast(builder, args[8], ty[8], types.intp)
+    for j in range(len(totals[0])):
+        out_row = builder.bitcast(row_ptr(context, builder, ty[7], args[7], builder.add(tok, ir.Constant(I64, j))),
+                                  totals[0][0].type.as_pointer())
+        for i, column in enumerate(totals):
+            builder.store(column[j], builder.gep(out_row, [builder.add(col, ir.Constant(I64, i))]))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from functools import partial
 
 from llvmlite import ir
-from numba.core import cgutils
 
 from ..quant import FORMATS, QType
 from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_32_REGISTERS, X86_VNNI, block_intrinsics, concat,
@@ -63,15 +62,15 @@ def _row_fields(builder, fmt: str, base, offsets: dict[str, int]) -> dict:
     return {name: builder.gep(base, [ir.Constant(I64, offset)]) for name, offset in offsets.items()}
 
 
-def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
+def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     """IR of the dot of every weight row as stored (pointers w_ptrs) with every activation row
     (x_rows: pointers to its values, block scales and block d*sums) -> totals[row][token]."""
     offsets = block_format(fmt).field_offsets()
     rows = [_row_fields(builder, fmt, builder.bitcast(w_ptr, I8.as_pointer()), offsets) for w_ptr in w_ptrs]
-    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, block_format(fmt).block_bytes)
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, block_format(fmt).block_bytes)
 
 
-def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, n_blocks, block_stride: int):
+def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_stride: int):
     """The dots of weight rows (each a dict of field pointers, its blocks block_stride bytes apart)
     with activation rows. Each pair has its own accumulators, added to in the same order as when it
     is alone, so a pair's bits do not depend on the tile it is computed in (batch invariance); the
@@ -82,18 +81,14 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, n_blocks, bl
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots, summs_slots = {}, {}
     for pair in pairs:
-        acc_slots[pair] = cgutils.alloca_once_value(builder, zero)
-        builder.store(zero, acc_slots[pair])
+        acc_slots[pair] = span.accumulator(builder, zero)
         if fmt in _WITH_MIN:
-            summs_slots[pair] = cgutils.alloca_once_value(builder, ir.Constant(acc_t, 0.0))
-            builder.store(ir.Constant(acc_t, 0.0), summs_slots[pair])
+            summs_slots[pair] = span.accumulator(builder, ir.Constant(acc_t, 0.0))
 
     def splat_scale(scale):
         return splat(builder, builder.fpext(scale, F64) if acc_t is F64 else scale, LANES)
 
-    with cgutils.for_range(builder, n_blocks) as loop:
-        b = loop.index
-        block = builder.mul(b, ir.Constant(I64, block_stride))
+    with span.loop(builder, block_stride) as (b, block):
         weights = [_unpack(builder, fmt, fields, block, biased) for fields in rows]
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
@@ -121,6 +116,7 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, n_blocks, bl
                     ds_x = builder.fpext(ds_x, F64) if acc_t is F64 else ds_x
                     slot = summs_slots[i, j]
                     builder.store(fmuladd(builder, builder.fpext(m_w, acc_t), ds_x, builder.load(slot)), slot)
+    span.save(builder)
     totals = [[None] * len(x_rows) for _ in rows]
     for i, j in pairs:
         total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
@@ -136,7 +132,7 @@ _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _X_HALVES = (list(range(16)) * 2, list(range(16, 32)) * 2)
 
 
-def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, n_blocks, block_stride: int):
+def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, span, block_stride: int):
     """The dots of n_rows (even) rows packed field by field (`fields`: pointers to the first row's
     fields of the group's first block) with activation rows: rows 2p and 2p+1 as one 32-byte load of
     their nibbles. Its low nibbles against the activations' values 0-15 (twice) give row 2p's GGML
@@ -149,21 +145,17 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {}
     for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)):
-        acc_slots[key] = cgutils.alloca_once_value(builder, zero)
-        builder.store(zero, acc_slots[key])
+        acc_slots[key] = span.accumulator(builder, zero)
     summs_slots = {}
     if fmt in _WITH_MIN:  # lane i: row i's sum of m * (d*sum) of the activations' blocks
         for j in tokens:
-            summs_slots[j] = cgutils.alloca_once_value(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows))
-            builder.store(ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows), summs_slots[j])
+            summs_slots[j] = span.accumulator(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows))
 
     def halves_of(vector, f):  # a per-16-byte operation over a 32-byte vector
         parts = [builder.shuffle_vector(vector, vector, const_vec(I32, range(16 * h, 16 * h + 16))) for h in (0, 1)]
         return concat(builder, *(f(part) for part in parts))
 
-    with cgutils.for_range(builder, n_blocks) as loop:
-        b = loop.index
-        block = builder.mul(b, ir.Constant(I64, block_stride))
+    with span.loop(builder, block_stride) as (b, block):
         d_w = builder.fpext(load_at(builder, fields["d"], block, F16, n_rows), vec(F32, n_rows))
         m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
             if fmt in _WITH_MIN else None
@@ -207,6 +199,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 ds_x = builder.load(builder.gep(xds_ptr, [b]))
                 ds_x = splat(builder, builder.fpext(ds_x, F64) if acc_t is F64 else ds_x, n_rows)
                 builder.store(fmuladd(builder, m_w, ds_x, builder.load(summs_slots[j])), summs_slots[j])
+    span.save(builder)
     totals = [[None] * len(x_rows) for _ in range(n_rows)]
     for p in range(n_pairs):
         for j in tokens:
@@ -231,17 +224,17 @@ def group_fields(builder, fmt: str, group_ptr, i0, pack: int) -> dict:
     return fields
 
 
-def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, n_blocks, fmt: str, pack: int):
+def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, span, fmt: str, pack: int):
     """The dots of rows i0 .. i0+n_rows-1 of a group of `pack` rows packed field by field (group_ptr:
     the group's first byte) with activation rows."""
     fields = group_fields(builder, fmt, group_ptr, i0, pack)
     stride = pack * block_format(fmt).block_bytes
     if fmt in _NIBBLE_PAIRS and n_rows % 2 == 0:
-        return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, n_blocks, stride)
+        return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, span, stride)
     sizes = dict(block_format(fmt).fields)
     rows = [{name: builder.gep(ptr, [ir.Constant(I64, sizes[name] * i)]) for name, ptr in fields.items()}
             for i in range(n_rows)]
-    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, n_blocks, stride)
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, stride)
 
 
 # dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format fmt) against Q8 activation row t
@@ -267,5 +260,6 @@ _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _PAIR_TILE), "iq4_nl": (8, _PAI
 PACK_ROWS = {fmt: rows for fmt, (rows, _) in _PACKING.items()}
 PACKED_TILE = {fmt: tile for fmt, (_, tile) in _PACKING.items()}
 assert all(rows % tile[0] == 0 for rows, tile in _PACKING.values())
-PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, tile)
+PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, tile,
+                                 block_format(fmt).block_bytes)
           for fmt, (rows, tile) in _PACKING.items()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import partial
 
 from llvmlite import ir
-from numba.core import cgutils
 
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, block_intrinsics, const_vec, fmuladd,
                    hsum_float_8, load_at, packed_intrinsics, pair_products, pair_sums, run_scales, scale_table,
@@ -80,7 +79,7 @@ def _run(builder, fmt: str, fields: dict, block, i: int, k: int):
     return builder.or_(low, builder.shl(top, splat8(4))), (2 * k, 2 * k + 1)
 
 
-def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, block_stride: int):
+def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_stride: int):
     """IR of the dot of every weight row with every Q8_K activation row (x_rows: pointers to its
     values, scales, 16-sums) -> totals[row][token], rows in `groups` of (pointers to the first row's
     fields, number of rows packed field by field; 1: a row as stored), blocks block_stride apart.
@@ -98,8 +97,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
         init += {"q4_k": [("mins", ir.Constant(vec(acc_t, 4), [0.0] * 4))],
                  "q5_k": [("summs", ir.Constant(acc_t, 0.0))]}.get(fmt, [])
         for name, zero in init:
-            slots[pair, name] = cgutils.alloca_once_value(builder, zero)
-            builder.store(zero, slots[pair, name])
+            slots[pair, name] = span.accumulator(builder, zero)
 
     def accumulate(pair, name, scale, value):
         slot = slots[pair, name]
@@ -109,9 +107,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
         elem = F64 if wide else F32
         return builder.fpext(v, vec(elem, v.type.count) if isinstance(v.type, ir.VectorType) else elem)
 
-    with cgutils.for_range(builder, n_blocks) as loop:
-        b = loop.index
-        block = builder.mul(b, ir.Constant(I64, block_stride))
+    with span.loop(builder, block_stride) as (b, block):
         d_w = [widen(load_at(builder, fields["d"], block, F16, n)) for fields, n in groups]
         dmin_w = [widen(load_at(builder, fields["dmin"], block, F16, n)) for fields, n in groups] \
             if fmt != "q6_k" else None
@@ -165,6 +161,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
                     sumi[pair] = builder.sub(sumi[pair], builder.shl(offset, const_vec(I32, [5] * LANES)))
                 d_i = builder.extract_element(d[g], ir.Constant(I32, i))
                 accumulate(pair, "acc", splat(builder, d_i, LANES), builder.sitofp(sumi[pair], vec(acc_t, LANES)))
+    span.save(builder)
     totals = [[None] * len(x_rows) for _ in rows]
     for r, j in pairs:
         total = hsum_float_8(builder, builder.load(slots[(r, j), "acc"]))
@@ -178,18 +175,18 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, n_blocks, bl
     return totals
 
 
-def _emit_stored(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, n_blocks):
+def _emit_stored(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     """The dots of rows in the file's layout (each its own group of one)."""
     offsets = block_format(fmt).field_offsets()
     groups = [({name: builder.gep(builder.bitcast(w_ptr, I8.as_pointer()), [ir.Constant(I64, at)])
                 for name, at in offsets.items()}, 1) for w_ptr in w_ptrs]
-    return _emit_k_dots(builder, fmt, acc_t, groups, x_rows, n_blocks, block_format(fmt).block_bytes)
+    return _emit_k_dots(builder, fmt, acc_t, groups, x_rows, span, block_format(fmt).block_bytes)
 
 
-def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, n_blocks, fmt: str, pack: int):
+def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, span, fmt: str, pack: int):
     """The dots of rows i0 .. i0+n_rows-1 of a group of `pack` rows packed field by field."""
     groups = [(group_fields(builder, fmt, group_ptr, i0, pack), n_rows)]
-    return _emit_k_dots(builder, fmt, acc_t, groups, x_rows, n_blocks, pack * block_format(fmt).block_bytes)
+    return _emit_k_dots(builder, fmt, acc_t, groups, x_rows, span, pack * block_format(fmt).block_bytes)
 
 
 # dot(w, r, xq, xd, xs, t): row r of weight w (uint8, K-quant fmt) against Q8_K activation row t (xq
@@ -208,5 +205,6 @@ dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q6_k_q8k = block_intrinsics(_emit_stored, 
 K_PACK_ROWS = {"q4_k": 4, "q5_k": 4, "q6_k": 2}
 K_PACKED_TILE = {"q4_k": TILE, "q5_k": TILE, "q6_k": (2, TILE[1])}
 assert all(rows % K_PACKED_TILE[fmt][0] == 0 for fmt, rows in K_PACK_ROWS.items())
-PACKED_K = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8k", I32, rows, K_PACKED_TILE[fmt])
+PACKED_K = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8k", I32, rows, K_PACKED_TILE[fmt],
+                                   block_format(fmt).block_bytes)
             for fmt, rows in K_PACK_ROWS.items()}

@@ -43,6 +43,9 @@ def warm_up(verbose: bool = False) -> float:
                 if qtype in PACKABLE and w is data:  # as every node holds these formats
                     matmul(PackedRows.pack(w, qtype), qtype, x)
                     matmul(PackedRows.pack(w, qtype), qtype, x, wide=True)
+        if qtype in PACKABLE:  # rows long enough to be walked span by span
+            long_rows = PackedRows.pack(quantize(rng.standard_normal((8, 4096), dtype=np.float32), qtype), qtype)
+            matmul(long_rows, qtype, Activations(rng.standard_normal((1, 4096), dtype=np.float32)))
         if verbose:
             print(f"  {qtype.name} matmul ready", file=sys.stderr)
     x = rng.standard_normal((3, 128), dtype=np.float32)
