@@ -18,24 +18,31 @@ def round_f16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).astype(np.float32)
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _quantize_q8_row(x, xq, xd, xds, t):
+    for b in range(x.shape[1] // 32):
+        o = b * 32
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[t, o + j]))
+        inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        s = 0
+        for j in range(32):
+            q = np.int32(np.rint(x[t, o + j] * inv))  # round half to even, as GGML's SIMD path
+            xq[t, o + j] = q
+            s += q
+        d = amax / np.float32(127.0)
+        xd[t, b] = d
+        xds[t, b] = d * np.float32(s)  # in f32, as GGML, before rounding to f16
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _quantize_q8(x, xq, xd, xds):
-    T, cols = x.shape
-    for t in prange(T):
-        for b in range(cols // 32):
-            o = b * 32
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, o + j]))
-            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[t, o + j] * inv))  # round half to even, as GGML's SIMD path
-                xq[t, o + j] = q
-                s += q
-            d = amax / np.float32(127.0)
-            xd[t, b] = d
-            xds[t, b] = d * np.float32(s)  # in f32, as GGML, before rounding to f16
+    if x.shape[0] == 1:  # one token (decode): no thread team, whose start costs more than the row
+        _quantize_q8_row(x, xq, xd, xds, 0)
+    else:
+        for t in prange(x.shape[0]):
+            _quantize_q8_row(x, xq, xd, xds, t)
 
 
 class _QuantizedRows:
@@ -81,33 +88,41 @@ class Q8Activations(_QuantizedRows):
         return cls(q.reshape(T, cols), round_f16(d), round_f16(d * total))
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _quantize_q8_k_row(x, xq, xd, xs, t):
+    """GGML's quantize_row_q8_K_ref: per 256 values, the signed extreme maps to -127."""
+    cols = x.shape[1]
+    for b in range(cols // 256):
+        o = b * 256
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for j in range(256):
+            a = abs(x[t, o + j])
+            if a > amax:
+                amax, vmax = a, x[t, o + j]
+        if amax == 0:
+            xd[t, b] = 0.0
+            for j in range(256):
+                xq[t, o + j] = 0
+        else:
+            iscale = np.float32(-127.0) / vmax
+            for j in range(256):
+                xq[t, o + j] = min(127, np.int32(np.rint(iscale * x[t, o + j])))
+            xd[t, b] = np.float32(1.0) / iscale
+        for g in range(16):
+            s = 0
+            for j in range(16):
+                s += xq[t, o + 16 * g + j]
+            xs[t, 16 * b + g] = s
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _quantize_q8_k(x, xq, xd, xs):
-    """GGML's quantize_row_q8_K_ref: per 256 values, the signed extreme maps to -127."""
-    T, cols = x.shape
-    for t in prange(T):
-        for b in range(cols // 256):
-            o = b * 256
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(256):
-                a = abs(x[t, o + j])
-                if a > amax:
-                    amax, vmax = a, x[t, o + j]
-            if amax == 0:
-                xd[t, b] = 0.0
-                for j in range(256):
-                    xq[t, o + j] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for j in range(256):
-                    xq[t, o + j] = min(127, np.int32(np.rint(iscale * x[t, o + j])))
-                xd[t, b] = np.float32(1.0) / iscale
-            for g in range(16):
-                s = 0
-                for j in range(16):
-                    s += xq[t, o + 16 * g + j]
-                xs[t, 16 * b + g] = s
+    if x.shape[0] == 1:  # as _quantize_q8
+        _quantize_q8_k_row(x, xq, xd, xs, 0)
+    else:
+        for t in prange(x.shape[0]):
+            _quantize_q8_k_row(x, xq, xd, xs, t)
 
 
 class Q8KActivations(_QuantizedRows):

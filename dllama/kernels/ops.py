@@ -20,16 +20,24 @@ from .simd_float import f16_bits, f32_bits, f32_from_bits, fma
 # ------------------------------------------------------------------ RMSNorm
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _rmsnorm_row(x, weight, eps, out, t):
+    n = x.shape[1]
+    total = 0.0
+    for i in range(n):
+        total += np.float64(x[t, i] * x[t, i])
+    scale = np.float32(1.0) / np.sqrt(np.float32(total / n) + eps)
+    for i in range(n):
+        out[t, i] = (x[t, i] * scale) * weight[i]
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _rmsnorm(x, weight, eps, out):
-    T, n = x.shape
-    for t in prange(T):
-        total = 0.0
-        for i in range(n):
-            total += np.float64(x[t, i] * x[t, i])
-        scale = np.float32(1.0) / np.sqrt(np.float32(total / n) + eps)
-        for i in range(n):
-            out[t, i] = (x[t, i] * scale) * weight[i]
+    if x.shape[0] == 1:  # one token (decode): no thread team, whose start costs more than the row
+        _rmsnorm_row(x, weight, eps, out, 0)
+    else:
+        for t in prange(x.shape[0]):
+            _rmsnorm_row(x, weight, eps, out, t)
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -75,19 +83,27 @@ def _rope_angles(pos, n_dims, base, freq_factors, freq_scale, ext_factor, corr_l
     return cos, sin
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _rope_head(x, cos, sin, neox, t, h):
+    half = cos.shape[1]
+    for i in range(half):
+        # normal style rotates adjacent pairs; NeoX style pairs i with i + n_dims/2
+        a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        x0, x1 = x[t, h, a], x[t, h, b]
+        # GGML's C code is compiled with FMA contraction: its products fuse this way
+        x[t, h, a] = fma(x0, cos[t, i], -(x1 * sin[t, i]))
+        x[t, h, b] = fma(x0, sin[t, i], x1 * cos[t, i])
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _rope(x, cos, sin, neox):
     T, H, _ = x.shape
-    half = cos.shape[1]
-    for job in prange(T * H):
-        t, h = job // H, job % H
-        for i in range(half):
-            # normal style rotates adjacent pairs; NeoX style pairs i with i + n_dims/2
-            a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            x0, x1 = x[t, h, a], x[t, h, b]
-            # GGML's C code is compiled with FMA contraction: its products fuse this way
-            x[t, h, a] = fma(x0, cos[t, i], -(x1 * sin[t, i]))
-            x[t, h, b] = fma(x0, sin[t, i], x1 * cos[t, i])
+    if T == 1:  # as _rmsnorm
+        for h in range(H):
+            _rope_head(x, cos, sin, neox, 0, h)
+    else:
+        for job in prange(T * H):
+            _rope_head(x, cos, sin, neox, job // H, job % H)
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_dims: int, base: float, neox: bool,
@@ -191,13 +207,20 @@ def expf_ref(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ SiLU gate
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _silu_mul_row(gate, up, out, t):
+    for i in range(gate.shape[1]):
+        g = gate[t, i]
+        out[t, i] = g / (np.float32(1.0) + expf(np.float32(0.0) - g)) * up[t, i]
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _silu_mul(gate, up, out):
-    T, n = gate.shape
-    for t in prange(T):
-        for i in range(n):
-            g = gate[t, i]
-            out[t, i] = g / (np.float32(1.0) + expf(np.float32(0.0) - g)) * up[t, i]
+    if gate.shape[0] == 1:  # as _rmsnorm
+        _silu_mul_row(gate, up, out, 0)
+    else:
+        for t in prange(gate.shape[0]):
+            _silu_mul_row(gate, up, out, t)
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -244,18 +267,25 @@ def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
     return tanhf(logits * (np.float32(1.0) / np.float32(cap))) * np.float32(cap)
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _gelu_mul_row(gate, up, table, out, t):
+    for i in range(gate.shape[1]):
+        g = gate[t, i]
+        if g <= np.float32(-10.0):
+            out[t, i] = np.float32(0.0)
+        elif g >= np.float32(10.0):
+            out[t, i] = g * up[t, i]
+        else:
+            out[t, i] = table[f16_bits(g)] * up[t, i]
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _gelu_mul(gate, up, table, out):
-    T, n = gate.shape
-    for t in prange(T):
-        for i in range(n):
-            g = gate[t, i]
-            if g <= np.float32(-10.0):
-                out[t, i] = np.float32(0.0)
-            elif g >= np.float32(10.0):
-                out[t, i] = g * up[t, i]
-            else:
-                out[t, i] = table[f16_bits(g)] * up[t, i]
+    if gate.shape[0] == 1:  # as _rmsnorm
+        _gelu_mul_row(gate, up, table, out, 0)
+    else:
+        for t in prange(gate.shape[0]):
+            _gelu_mul_row(gate, up, table, out, t)
 
 
 def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
