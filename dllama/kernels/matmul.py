@@ -106,12 +106,12 @@ def _mm_quant(w, fmt, wide, xq, xd, xds, out):
 
 
 # the same products over packed rows (packing.py), 4 or 8 to a group; same bits as above
-strip_q4_0, strip_q4_0_wide, tile_q4_0_packed, span_q4_0 = PACKED["q4_0"]
-strip_q4_1, strip_q4_1_wide, tile_q4_1_packed, span_q4_1 = PACKED["q4_1"]
-strip_q8_0, strip_q8_0_wide, tile_q8_0_packed, span_q8_0 = PACKED["q8_0"]
-strip_q5_0, strip_q5_0_wide, tile_q5_0_packed, span_q5_0 = PACKED["q5_0"]
-strip_q5_1, strip_q5_1_wide, tile_q5_1_packed, span_q5_1 = PACKED["q5_1"]
-strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed, span_iq4_nl = PACKED["iq4_nl"]
+strip_q4_0, strip_q4_0_wide, tile_q4_0_packed, span_q4_0, span_q4_0_wide = PACKED["q4_0"]
+strip_q4_1, strip_q4_1_wide, tile_q4_1_packed, span_q4_1, span_q4_1_wide = PACKED["q4_1"]
+strip_q8_0, strip_q8_0_wide, tile_q8_0_packed, span_q8_0, span_q8_0_wide = PACKED["q8_0"]
+strip_q5_0, strip_q5_0_wide, tile_q5_0_packed, span_q5_0, span_q5_0_wide = PACKED["q5_0"]
+strip_q5_1, strip_q5_1_wide, tile_q5_1_packed, span_q5_1, span_q5_1_wide = PACKED["q5_1"]
+strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed, span_iq4_nl, span_iq4_nl_wide = PACKED["iq4_nl"]
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -210,6 +210,22 @@ def _strip_span(wp, fmt, g, s, xq, xd, xs, out, col, carry):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
+def _strip_span_wide(wp, fmt, g, s, xq, xd, xs, out, col, carry):
+    if fmt == _Q4_1:
+        span_q4_1_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q4_0:
+        span_q4_0_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_0:
+        span_q5_0_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_1:
+        span_q5_1_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _IQ4_NL:
+        span_iq4_nl_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    else:
+        span_q8_0_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
 def _spanned_strips(strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out):
     """One token over packed rows of several spans (packing.py): each of `parts` threads walks its
     groups span by span, every row's accumulators carried from span to span (the bits of whole
@@ -217,8 +233,8 @@ def _spanned_strips(strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out):
     as one sequential read."""
     n_spans, n_groups = wp.shape[0], wp.shape[1]
     whole = rows // n
-    carry = np.empty((n_groups, CARRIED_PER_ROW * n), np.float32)
-    edge = np.empty((1, n), np.float32)
+    carry = np.empty((n_groups, CARRIED_PER_ROW * n), out.dtype)  # float32, or float64 (wide)
+    edge = np.empty((1, n), out.dtype)
     parts = min(n_groups, parts)
     for p in prange(parts):
         for s in range(n_spans):
@@ -234,6 +250,11 @@ def _spanned_strips(strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out):
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_spans(wp, rows, n, parts, fmt, xq, xd, xs, out):
     _spanned_strips(_strip_span, wp, rows, n, parts, fmt, xq, xd, xs, out)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _spanned_strips(_strip_span_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -286,9 +307,9 @@ def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
 
 
 # the same products over packed rows of K-quants (simd_q8k.py), 4 or 2 to a group
-strip_q4_k, strip_q4_k_wide, tile_q4_k_packed, span_q4_k = PACKED_K["q4_k"]
-strip_q5_k, strip_q5_k_wide, tile_q5_k_packed, span_q5_k = PACKED_K["q5_k"]
-strip_q6_k, strip_q6_k_wide, tile_q6_k_packed, span_q6_k = PACKED_K["q6_k"]
+strip_q4_k, strip_q4_k_wide, tile_q4_k_packed, span_q4_k, span_q4_k_wide = PACKED_K["q4_k"]
+strip_q5_k, strip_q5_k_wide, tile_q5_k_packed, span_q5_k, span_q5_k_wide = PACKED_K["q5_k"]
+strip_q6_k, strip_q6_k_wide, tile_q6_k_packed, span_q6_k, span_q6_k_wide = PACKED_K["q6_k"]
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -337,9 +358,24 @@ def _strip_k_span(wp, fmt, g, s, xq, xd, xs, out, col, carry):
         span_q6_k(wp, g, s, xq, xd, xs, 0, out, col, carry)
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _strip_k_span_wide(wp, fmt, g, s, xq, xd, xs, out, col, carry):
+    if fmt == _Q4_K:
+        span_q4_k_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    elif fmt == _Q5_K:
+        span_q5_k_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+    else:
+        span_q6_k_wide(wp, g, s, xq, xd, xs, 0, out, col, carry)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_spans(wp, rows, n, parts, fmt, xq, xd, xs, out):
     _spanned_strips(_strip_k_span, wp, rows, n, parts, fmt, xq, xd, xs, out)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _spanned_strips(_strip_k_span_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -458,9 +494,9 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         fmt = QType(w.qtype).name.lower()
         if w.qtype in _K_KERNEL:
             k = x.q8k
-            if x.tokens == 1 and not wide and w.groups.shape[0] > 1:
-                _mm_k_packed_spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _K_KERNEL[w.qtype], k.q,
-                                   k.d, k.sums, out)
+            if x.tokens == 1 and w.groups.shape[0] > 1:  # long rows, span by span
+                spans = _mm_k_packed_spans_wide if wide else _mm_k_packed_spans
+                spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
                 return out
             if wide:
                 _mm_k_packed_wide(w.groups, w.rows, w.rows_per_group, _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
@@ -469,9 +505,9 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
                              k.sums, out)
             return out
         a = x.q8
-        if x.tokens == 1 and not wide and w.groups.shape[0] > 1:
-            _mm_packed_spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _QUANT_KERNEL[w.qtype], a.q, a.d,
-                             a.ds, out)
+        if x.tokens == 1 and w.groups.shape[0] > 1:  # long rows, span by span
+            spans = _mm_packed_spans_wide if wide else _mm_packed_spans
+            spans(w.groups, w.rows, w.rows_per_group, get_num_threads(), _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
             return out
         if wide:
             _mm_packed_wide(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)

@@ -45,7 +45,9 @@ def warm_up(verbose: bool = False) -> float:
                     matmul(PackedRows.pack(w, qtype), qtype, x, wide=True)
         if qtype in PACKABLE:  # rows long enough to be walked span by span
             long_rows = PackedRows.pack(quantize(rng.standard_normal((8, 4096), dtype=np.float32), qtype), qtype)
-            matmul(long_rows, qtype, Activations(rng.standard_normal((1, 4096), dtype=np.float32)))
+            one_token = Activations(rng.standard_normal((1, 4096), dtype=np.float32))
+            matmul(long_rows, qtype, one_token)
+            matmul(long_rows, qtype, one_token, wide=True)
         if verbose:
             print(f"  {qtype.name} matmul ready", file=sys.stderr)
     x = rng.standard_normal((3, 128), dtype=np.float32)
