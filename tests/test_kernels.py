@@ -16,7 +16,7 @@ from numba import njit
 from dllama.config import RopeScaling
 from dllama.kernels.activations import Activations, Q8Activations, Q8KActivations, round_f16
 from dllama.kernels.attention import attention, attention_ref
-from dllama.kernels.matmul import matmul, matmul_ref
+from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_ref
 from dllama.kernels.packing import PACKABLE
 from dllama.kernels.ops import (expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
                                 silu_mul_ref, softcap)
@@ -498,9 +498,10 @@ def test_packed_rows_give_the_stored_rows_bits(qtype):
     from dllama.kernels.packing import PackedRows
 
     short = 512 if qtype in K_QUANTS else 320  # K-quants: two super-blocks
-    # 6144 columns: three spans of 2048 values (fewer cases: the aarch64 tests run these under qemu)
+    # 6144 columns: three spans of 2048 values, walked span by span below matmul.SPANNED_TOKENS
+    # tokens (fewer cases: the aarch64 tests run these under qemu)
     for cols, spans, row_counts, token_counts in ((short, 1, (0, 1, 5, 8, 13, 35), (1, 2, 3, 4, 5, 9, 17)),
-                                                  (6144, 3, (13, 35), (1, 5))):
+                                                  (6144, 3, (13, 35), (1, 3, 4, SPANNED_TOKENS))):
         for rows in row_counts:
             w = weight_matrix(qtype, max(rows, 1), cols, seed=rows).row_slice(0, rows)  # 0: a node's empty share
             packed = PackedRows.pack(w.data, qtype)

@@ -358,16 +358,17 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
 
 def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pack: int,
                       tile_shape: tuple[int, int], block_bytes: int):
-    """The intrinsics (strip, strip_wide, tile, strip_span, strip_span_wide) of one weight format in
-    rows packed by `pack` (kernels/packing.py: wp[s, g] holds span s of rows pack*g .. pack*g+pack-1,
-    block after block, each block_bytes per row), named strip_<fmt>_<suffix>, ...:
+    """The intrinsics (strip, strip_wide, tile, strip_span, strip_span_wide, tile_span) of one weight
+    format in rows packed by `pack` (kernels/packing.py: wp[s, g] holds span s of rows pack*g ..
+    pack*g+pack-1, block after block, each block_bytes per row), named strip_<fmt>_<suffix>, ...:
     strip(wp, g, i0, xq, xd, xs, t, out, col): out[t, col + i] = the dot of row pack*g + i with
     activation row t, for i < pack (i0 is 0); strip_wide the same in float64 (out float64);
     tile(wp, g, i0, xq, xd, xs, t, out, col): out[t + j, col + i] = the dot of row pack*g + i0 + i
     with activation row t + j for (i, j) < tile_shape;
-    strip_span(wp, g, s, xq, xd, xs, t, out, col, carry): strip over span s alone, its accumulators
-    taken from carry[g] (unless s is 0) and left there (CARRIED_PER_ROW * pack of them, float32;
-    float64 for strip_span_wide): after the last span, out holds the strip's bits.
+    <name>_span(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot): the same over span s alone, its
+    accumulators taken from carry[slot] (unless s is 0) and left there (CARRIED_PER_ROW per row and
+    token, float32; float64 for strip_span_wide): after the last span, out holds the bits of the
+    whole rows.
     emit_packed(builder, acc type, group pointer, i0, rows, activation row pointers, Span) ->
     totals[row][token] writes the IR; each pair summed as by block_intrinsics' dot (its own
     accumulators, the one-pair order), so the bits do not depend on the layout either; the layout
@@ -401,27 +402,30 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
         typer.__name__ = name
         return intrinsic(typer)
 
-    def build_span(acc_t: ir.Type, name: str):
-        def typer(typingctx, wp, g, s, xq, xd, xs, t, out, col, carry):
+    def build_span(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
+        def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
             def codegen(context, builder, signature, args):
                 ty = signature.args
-                x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, 1)
-                span = spans_of(context, builder, ty[0], args[0], context.cast(builder, args[2], ty[2], types.intp))
-                group = context.cast(builder, args[1], ty[1], types.intp)
-                span.carry = builder.bitcast(row_ptr(context, builder, ty[9], args[9], group), acc_t.as_pointer())
-                totals = emit_packed(builder, acc_t, _group_ptr(context, builder, ty, args), _ZERO, pack, x_rows, span)
-                assert span.carried <= CARRIED_PER_ROW * pack, "a group's carry row is too short"
+                x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
+                span = spans_of(context, builder, ty[0], args[0], context.cast(builder, args[9], ty[9], types.intp))
+                at = context.cast(builder, args[11], ty[11], types.intp)
+                span.carry = builder.bitcast(row_ptr(context, builder, ty[10], args[10], at), acc_t.as_pointer())
+                i0 = context.cast(builder, args[2], ty[2], types.intp)
+                totals = emit_packed(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows, span)
+                assert span.carried <= CARRIED_PER_ROW * n_rows * n_tokens, "a carry slot is too short"
                 _store_group(context, builder, ty, args, totals)
                 return context.get_dummy_value()
 
-            return types.void(wp, g, s, xq, xd, xs, t, out, col, carry), codegen
+            return types.void(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot), codegen
 
         typer.__name__ = name
         return intrinsic(typer)
 
     return (build(pack, 1, F32, f"strip_{fmt}_{suffix}"), build(pack, 1, F64, f"strip_{fmt}_{suffix}_wide"),
-            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"), build_span(F32, f"strip_span_{fmt}_{suffix}"),
-            build_span(F64, f"strip_span_{fmt}_{suffix}_wide"))
+            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"),
+            build_span(pack, 1, F32, f"strip_span_{fmt}_{suffix}"),
+            build_span(pack, 1, F64, f"strip_span_{fmt}_{suffix}_wide"),
+            build_span(*tile_shape, F32, f"tile_span_{fmt}_{suffix}"))
 
 
 def _group_ptr(context, builder, ty, args):
