@@ -501,7 +501,7 @@ def test_packed_rows_give_the_stored_rows_bits(qtype):
     # 6144 columns: three spans of 2048 values, walked span by span below matmul.SPANNED_TOKENS
     # tokens (fewer cases: the aarch64 tests run these under qemu)
     for cols, spans, row_counts, token_counts in ((short, 1, (0, 1, 5, 8, 13, 35), (1, 2, 3, 4, 5, 9, 17)),
-                                                  (6144, 3, (13, 35), (1, 3, 4, SPANNED_TOKENS))):
+                                                  (6144, 3, (16, 35), (1, 2, 3, 4, SPANNED_TOKENS))):
         for rows in row_counts:
             w = weight_matrix(qtype, max(rows, 1), cols, seed=rows).row_slice(0, rows)  # 0: a node's empty share
             packed = PackedRows.pack(w.data, qtype)
@@ -515,6 +515,20 @@ def test_packed_rows_give_the_stored_rows_bits(qtype):
                     assert ours.shape == (T, rows)
                     np.testing.assert_array_equal(ours, matmul(w.data, qtype, x, wide=wide),
                                                   err_msg=f"{cols} columns, {rows} rows, {T} tokens, wide={wide}")
+
+
+def test_packed_rows_of_no_columns_give_zeros():
+    """A node's column share can be empty (reduce mode, a node without heads): packed, it has no
+    spans, and its product is zeros, float32 or float64."""
+    from dllama.kernels.packing import PackedRows
+
+    for qtype in PACKABLE:
+        packed = PackedRows.pack(np.zeros((5, 0), np.uint8), qtype)
+        assert packed.row_bytes == 0 and packed.unpack().shape == (5, 0)
+        for T in (1, 3):
+            for wide in (False, True):
+                np.testing.assert_array_equal(matmul(packed, qtype, np.zeros((T, 0), np.float32), wide=wide),
+                                              np.zeros((T, 5)))
 
 
 def test_a_packed_matrix_is_not_cut():

@@ -283,6 +283,7 @@ def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    """Float64 strips only (no tiles: tile_tokens 0)."""
     _spanned_products(_strip_span_wide, _tile_span, wp, rows, n, 1, 0, parts, fmt, xq, xd, xs, out)
 
 
@@ -414,6 +415,7 @@ def _mm_k_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    """Float64 strips only (no tiles: tile_tokens 0)."""
     _spanned_products(_strip_k_span_wide, _tile_k_span, wp, rows, n, 1, 0, parts, fmt, xq, xd, xs, out)
 
 
@@ -535,6 +537,8 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         out = np.empty((x.tokens, rows), np.float64 if wide else np.float32)
     elif out.strides[-1] != out.itemsize:  # a prefill tile writes each token's row as contiguous values
         raise ValueError("matmul's out must have contiguous rows")
+    elif out.dtype != (np.float64 if wide else np.float32):  # the kernels write the accumulators' type
+        raise ValueError(f"matmul's out must be {'float64' if wide else 'float32'}, not {out.dtype}")
     if isinstance(w, PackedRows):
         fmt = QType(w.qtype).name.lower()
         if w.qtype in _K_KERNEL:

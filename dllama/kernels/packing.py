@@ -67,7 +67,7 @@ def span_blocks(qtype: QType, blocks: int) -> int:
     ones are cut into equal spans of about SPAN_VALUES values (a divisor of blocks nearest to it)."""
     values = FORMATS[qtype].block_size
     if blocks * values <= SPAN_VALUES * 3 // 2:
-        return blocks
+        return max(blocks, 1)  # a row of no columns (a node's empty column share): no spans
     divisors = [d for d in range(1, blocks + 1) if blocks % d == 0]
     return min(divisors, key=lambda d: abs(math.log(d * values / SPAN_VALUES)))
 
@@ -95,7 +95,8 @@ class PackedRows:
         moved = np.argsort(_field_order(qtype))  # packed byte k comes from side-by-side byte moved[k]
         side_by_side = np.zeros((min(n_groups, 128), blocks, n, block_bytes), np.uint8)
         for g0 in range(0, n_groups, 128):  # (row, block, byte) -> (block, row, byte), 128 groups at a time
-            part = data[g0 * n:(g0 + 128) * n].reshape(-1, blocks, block_bytes)
+            part = data[g0 * n:(g0 + 128) * n]
+            part = part.reshape(len(part), blocks, block_bytes)
             whole, extra = len(part) // n, len(part) % n
             side_by_side[:whole] = part[:whole * n].reshape(whole, n, blocks, block_bytes).transpose(0, 2, 1, 3)
             if extra:  # the last group, padded

@@ -35,7 +35,8 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 LANES = 8
 _ZERO = ir.Constant(I64, 0)
-# accumulator elements a packed strip may carry per row from one span of blocks to the next (Span)
+# accumulator elements a packed strip or tile may carry per row and token from one span of blocks to
+# the next (Span): at most 9 for the 32-value formats, 12 for the K-quants
 CARRIED_PER_ROW = 16
 
 
