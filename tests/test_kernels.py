@@ -489,32 +489,39 @@ def test_attention_rows_do_not_depend_on_the_batch(D):
     np.testing.assert_array_equal(attention(q[5:12], k, v, kv_of_head, start + 5), batched[5:12])
 
 
+def _check_packed_rows(qtype, cols: int, spans: int, row_counts, token_counts) -> None:
+    from dllama.kernels.packing import PackedRows
+
+    for rows in row_counts:
+        w = weight_matrix(qtype, max(rows, 1), cols, seed=rows).row_slice(0, rows)  # 0: a node's empty share
+        packed = PackedRows.pack(w.data, qtype)
+        assert packed.groups.shape[:2] == (spans, -(-rows // packed.rows_per_group))
+        np.testing.assert_array_equal(packed.unpack(), w.data)
+        np.testing.assert_array_equal(packed.unpack([rows - 1, 0][:rows]), w.data[[rows - 1, 0][:rows]])
+        for T in token_counts:
+            x = activations(T, cols, seed=T)
+            for wide in (False, True):
+                ours = matmul(packed, qtype, x, wide=wide)
+                assert ours.shape == (T, rows)
+                np.testing.assert_array_equal(ours, matmul(w.data, qtype, x, wide=wide),
+                                              err_msg=f"{cols} columns, {rows} rows, {T} tokens, wide={wide}")
+
+
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_packed_rows_give_the_stored_rows_bits(qtype):
     """Rows packed 2, 4 or 8 to a group (kernels/packing.py) give every (row, token) the bits of the
-    file's layout: decode strips (a long row span by span, its accumulators carried), prefill tiles
-    with strips for the tokens left, float64, and a last group padded (row counts not multiples of
-    the group); unpacking gives the rows back."""
-    from dllama.kernels.packing import PackedRows
+    file's layout: decode strips, prefill tiles with strips for the tokens left, float64, and a
+    last group padded (row counts not multiples of the group); unpacking gives the rows back."""
+    cols = 512 if qtype in K_QUANTS else 320  # K-quants: two super-blocks
+    _check_packed_rows(qtype, cols, 1, (0, 1, 5, 8, 13, 35), (1, 2, 3, 4, 5, 9, 17))
 
-    short = 512 if qtype in K_QUANTS else 320  # K-quants: two super-blocks
-    # 6144 columns: three spans of 2048 values, walked span by span below matmul.SPANNED_TOKENS
-    # tokens (fewer cases: the aarch64 tests run these under qemu)
-    for cols, spans, row_counts, token_counts in ((short, 1, (0, 1, 5, 8, 13, 35), (1, 2, 3, 4, 5, 9, 17)),
-                                                  (6144, 3, (16, 35), (1, 2, 3, 4, SPANNED_TOKENS))):
-        for rows in row_counts:
-            w = weight_matrix(qtype, max(rows, 1), cols, seed=rows).row_slice(0, rows)  # 0: a node's empty share
-            packed = PackedRows.pack(w.data, qtype)
-            assert packed.groups.shape[:2] == (spans, -(-rows // packed.rows_per_group))
-            np.testing.assert_array_equal(packed.unpack(), w.data)
-            np.testing.assert_array_equal(packed.unpack([rows - 1, 0][:rows]), w.data[[rows - 1, 0][:rows]])
-            for T in token_counts:
-                x = activations(T, cols, seed=T)
-                for wide in (False, True):
-                    ours = matmul(packed, qtype, x, wide=wide)
-                    assert ours.shape == (T, rows)
-                    np.testing.assert_array_equal(ours, matmul(w.data, qtype, x, wide=wide),
-                                                  err_msg=f"{cols} columns, {rows} rows, {T} tokens, wide={wide}")
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_long_packed_rows_walked_span_by_span_give_the_same_bits(qtype):
+    """Rows of 6144 values, packed in three spans of 2048: below matmul.SPANNED_TOKENS tokens walked
+    span by span, every strip's and tile's accumulators carried from span to span; from there whole
+    rows per tile across the spans. The same bits as the file's layout, padded group or not."""
+    _check_packed_rows(qtype, 6144, 3, (16, 35), (1, 2, 3, 4, SPANNED_TOKENS))
 
 
 def test_packed_rows_of_no_columns_give_zeros():
