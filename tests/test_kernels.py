@@ -474,6 +474,21 @@ def test_matmul_rows_do_not_depend_on_the_batch(qtype):
     np.testing.assert_array_equal(matmul(w.data, qtype, x[4:11]), batched[4:11])
 
 
+def test_f16_decode_strips_give_each_row_s_one_token_dot():
+    """Decode reads F16 rows in strips (F16_STRIP_ROWS rows, each activation vector loaded once for
+    them): every row is still dot_f16 of that row alone (GGML's one-token order), in strips and in
+    the rows left over, with a tail past the last 32 columns, rows as stored and column-sliced."""
+    from dllama.kernels.matmul import dot_f16
+
+    w = weight_matrix(QType.F16, 37, 333, seed=7)
+    x = activations(1, 333, seed=8)
+    for m in (w, w.col_slice(32, 333)):
+        w16 = m.data.view(np.uint16)
+        x16 = round_f16(x[:, 333 - m.cols:]).astype(np.float16).view(np.uint16)
+        expected = [dot_f16(w16, r * (w16.strides[0] // 2), x16, 0, m.cols) for r in range(m.rows)]
+        np.testing.assert_array_equal(m.matmul(x[:, 333 - m.cols:])[0], np.array(expected, np.float32))
+
+
 @pytest.mark.parametrize("D", [64, 80])  # 80: the f64 tail past the last multiple of 32
 def test_attention_rows_do_not_depend_on_the_batch(D):
     """A prefill of T queries gives, per token, the bits of that token computed alone after the
@@ -567,13 +582,15 @@ _PRODUCTS_SCRIPT = """
 import sys, numpy as np
 from tests.test_kernels import PACKABLE, QUANTIZED, activations, weight_matrix
 from dllama.kernels.matmul import matmul
+from dllama.quant import QType
 from dllama.kernels.simd import X86_32_REGISTERS, X86_VNNI
 assert not X86_VNNI and not X86_32_REGISTERS
 np.savez(sys.argv[1], **{f"{q.name}-{wide}": matmul(weight_matrix(q, 11, 512, seed=9).data, q,
                                                     activations(9, 512, seed=10), wide=wide)
                          for q in QUANTIZED for wide in (False, True)},
          **{f"{q.name}-packed": matmul(weight_matrix(q, 11, 512, seed=9).packed().data, q, activations(9, 512, seed=10))
-            for q in PACKABLE})
+            for q in PACKABLE},
+         f16=matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10)))
 """
 
 
@@ -598,6 +615,8 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
             np.testing.assert_array_equal(ours, avx2[f"{q.name}-{wide}"], err_msg=f"{q.name} wide={wide}")
     for q in PACKABLE:  # the packed rows' strips and tiles (2 rows at a time with AVX2)
         np.testing.assert_array_equal(avx2[f"{q.name}-packed"], avx2[f"{q.name}-False"], err_msg=f"{q.name} packed")
+    f16 = matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10))
+    np.testing.assert_array_equal(f16, avx2["f16"], err_msg="F16 (strips of 2 rows with AVX2)")
 
 
 def test_quantized_dots_use_sdot_on_aarch64():

@@ -18,7 +18,8 @@ from numba import get_num_threads, njit, prange
 from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
-from .simd_float import F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, tile_f16_f32
+from .simd_float import (F16_STRIP_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, strip_f16_f32,
+                          tile_f16_f32)
 from .packing import PackedRows
 from .simd import CARRIED_PER_ROW
 from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
@@ -449,19 +450,33 @@ F16_ROW_BLOCK = 32  # rows that stay in L2 while each tile of tokens passes over
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_f16(w, x16, x32, out):
-    """dot_f16 of every (row, token). Several tokens: tiles of one row x F16_TILE_TOKENS tokens read
-    the activations as float32 (x32: x16's values, exactly) and convert each weight vector once for
-    them; the rest one pair at a time."""
+    """dot_f16 of every (row, token). One token (decode): strips of F16_STRIP_ROWS rows, rows r,
+    r + q, r + 2q, ... (q = rows / F16_STRIP_ROWS): each activation vector is loaded once for them,
+    and a thread's strips read its quarters of the matrix as so many long sequential streams
+    (strips of adjacent short rows were 2x slower from DRAM: streams of 1 KB, too short for the
+    prefetchers). Several tokens: tiles of one row x F16_TILE_TOKENS tokens read the activations
+    as float32 (x32: x16's values, exactly) and convert each weight vector once for them; the
+    tokens left one pair at a time."""
     rows, cols = w.shape
     T = x16.shape[0]
     row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
     main = cols - cols % 32
+    if T == 1:
+        q = rows // F16_STRIP_ROWS
+        for block in prange((q + F16_ROW_BLOCK - 1) // F16_ROW_BLOCK):
+            for r in range(block * F16_ROW_BLOCK, min(q, (block + 1) * F16_ROW_BLOCK)):
+                strip_f16_f32(w, r, q, x32, 0, main, out)
+                for i in range(r, r + q * F16_STRIP_ROWS, q):
+                    out[0, i] = _f16_tail(out[0, i], w, i * row_stride, x16, 0, main, cols)
+        for r in range(q * F16_STRIP_ROWS, rows):
+            out[0, r] = dot_f16(w, r * row_stride, x16, 0, cols)
+        return
     tiled_tokens = T - T % F16_TILE_TOKENS
     for block in prange((rows + F16_ROW_BLOCK - 1) // F16_ROW_BLOCK):
         first, last = block * F16_ROW_BLOCK, min(rows, (block + 1) * F16_ROW_BLOCK)
         for t in range(0, tiled_tokens, F16_TILE_TOKENS):  # these tokens stay in L1 for the block's rows
             for r in range(first, last):
-                tile_f16_f32(w, r, x32, t, main, out)
+                tile_f16_f32(w, r, 0, x32, t, main, out)
                 for j in range(t, t + F16_TILE_TOKENS):
                     out[j, r] = _f16_tail(out[j, r], w, r * row_stride, x16, j * cols, main, cols)
         for r in range(first, last):

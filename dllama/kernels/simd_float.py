@@ -11,8 +11,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (F16, F32, I16, I32, I64, LANES, const_vec, data_ptr, fmuladd, hsum_float_8, load_at, row_ptr,
-                   vec)
+from .simd import (F16, F32, I16, I32, I64, LANES, X86_32_REGISTERS, const_vec, data_ptr, fmuladd, hsum_float_8,
+                   load_at, row_ptr, vec)
 
 
 def _ggml_vec_dot(elem: ir.Type):
@@ -57,46 +57,65 @@ def _ggml_reduce(builder, accumulators):
 
 
 F16_TILE_TOKENS = 4
+# A decode strip: F16_STRIP_ROWS weight rows against one token, four accumulators per row (16
+# registers with AVX-512's 32; AVX2 and NEON have 16 and 32 of half the width: 2 rows). Each
+# activation vector is loaded once for the rows, and the rows are as many streams from DRAM.
+F16_STRIP_ROWS = 4 if X86_32_REGISTERS else 2
 
 
-def _f16_tile(context, builder, signature, args):
-    """Codegen of tile_f16_f32: one f16 weight row against F16_TILE_TOKENS activation rows, each
-    pair in dot_f16_f16_vec's order (its own four accumulators), each weight vector converted
-    once for all the tokens."""
-    w_arr, row, x_arr, tok, count, out = args
-    ty = signature.args
-    row = context.cast(builder, row, ty[1], types.intp)
-    tok = context.cast(builder, tok, ty[3], types.intp)
-    w_ptr = row_ptr(context, builder, ty[0], w_arr, row)
-    x_ptrs = [row_ptr(context, builder, ty[2], x_arr, builder.add(tok, ir.Constant(I64, j)))
-              for j in range(F16_TILE_TOKENS)]
-    zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-    slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in x_ptrs]
-    for slot in (s for token_slots in slots for s in token_slots):
-        builder.store(zero, slot)
-    n_steps = builder.sdiv(context.cast(builder, count, ty[4], types.intp), ir.Constant(I64, 4 * LANES))
-    with cgutils.for_range(builder, n_steps) as loop:
-        for k in range(4):
-            value = builder.add(builder.mul(loop.index, ir.Constant(I64, 4 * LANES)), ir.Constant(I64, LANES * k))
-            w16 = load_at(builder, w_ptr, builder.mul(value, ir.Constant(I64, 2)), I16, LANES)
-            w = builder.fpext(builder.bitcast(w16, vec(F16, LANES)), vec(F32, LANES))
-            for x_ptr, token_slots in zip(x_ptrs, slots):
-                x = load_at(builder, x_ptr, builder.mul(value, ir.Constant(I64, 4)), F32, LANES)
-                builder.store(fmuladd(builder, w, x, builder.load(token_slots[k])), token_slots[k])
-    for j, token_slots in enumerate(slots):
-        out_row = builder.bitcast(row_ptr(context, builder, ty[5], out, builder.add(tok, ir.Constant(I64, j))),
-                                  F32.as_pointer())
-        builder.store(_ggml_reduce(builder, [builder.load(slot) for slot in token_slots]), builder.gep(out_row, [row]))
-    return context.get_dummy_value()
+def _f16_tile(n_rows: int, n_tokens: int):
+    """Codegen of an f16 weight tile (n_rows rows `step` apart x n_tokens tokens, float32
+    activations that are f16s, exactly converted): each pair in dot_f16_f16_vec's order (its own
+    four accumulators), each weight vector converted once for the tokens, each activation vector
+    loaded once for the rows."""
+    def codegen(context, builder, signature, args):
+        w_arr, row, step, x_arr, tok, count, out = args
+        ty = signature.args
+        row = context.cast(builder, row, ty[1], types.intp)
+        step = context.cast(builder, step, ty[2], types.intp)
+        tok = context.cast(builder, tok, ty[4], types.intp)
+        rows = [builder.add(row, builder.mul(step, ir.Constant(I64, i))) for i in range(n_rows)]
+        w_ptrs = [row_ptr(context, builder, ty[0], w_arr, r) for r in rows]
+        x_ptrs = [row_ptr(context, builder, ty[3], x_arr, builder.add(tok, ir.Constant(I64, j)))
+                  for j in range(n_tokens)]
+        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+        slots = [[[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in x_ptrs] for _ in w_ptrs]
+        for slot in (s for row_slots in slots for token_slots in row_slots for s in token_slots):
+            builder.store(zero, slot)
+        n_steps = builder.sdiv(context.cast(builder, count, ty[5], types.intp), ir.Constant(I64, 4 * LANES))
+        with cgutils.for_range(builder, n_steps) as loop:
+            for k in range(4):
+                value = builder.add(builder.mul(loop.index, ir.Constant(I64, 4 * LANES)), ir.Constant(I64, LANES * k))
+                xs = [load_at(builder, x_ptr, builder.mul(value, ir.Constant(I64, 4)), F32, LANES) for x_ptr in x_ptrs]
+                for w_ptr, row_slots in zip(w_ptrs, slots):
+                    w16 = load_at(builder, w_ptr, builder.mul(value, ir.Constant(I64, 2)), I16, LANES)
+                    w = builder.fpext(builder.bitcast(w16, vec(F16, LANES)), vec(F32, LANES))
+                    for x, token_slots in zip(xs, row_slots):
+                        builder.store(fmuladd(builder, w, x, builder.load(token_slots[k])), token_slots[k])
+        for r, row_slots in zip(rows, slots):
+            for j, token_slots in enumerate(row_slots):
+                out_row = builder.bitcast(row_ptr(context, builder, ty[6], out, builder.add(tok, ir.Constant(I64, j))),
+                                          F32.as_pointer())
+                builder.store(_ggml_reduce(builder, [builder.load(slot) for slot in token_slots]),
+                              builder.gep(out_row, [r]))
+        return context.get_dummy_value()
+
+    return codegen
 
 
 @intrinsic
-def tile_f16_f32(typingctx, w, r, x, t, n, out):
+def tile_f16_f32(typingctx, w, r, step, x, t, n, out):
     """out[t + j, r] = the sum of the first n (a multiple of 32) products of row r of w (f16 bits,
     the row contiguous) with row t + j of x (float32 values that are f16s, exactly converted), for
     j < F16_TILE_TOKENS: bit for bit dot_f16_f16_vec of each pair (prefill: the weights are
-    converted once per F16_TILE_TOKENS tokens, not once per token)."""
-    return types.void(w, r, x, t, n, out), _f16_tile
+    converted once per F16_TILE_TOKENS tokens, not once per token). step: unused (one row)."""
+    return types.void(w, r, step, x, t, n, out), _f16_tile(1, F16_TILE_TOKENS)
+
+
+@intrinsic
+def strip_f16_f32(typingctx, w, r, step, x, t, n, out):
+    """The same for rows r + i * step (i < F16_STRIP_ROWS) against token t (decode)."""
+    return types.void(w, r, step, x, t, n, out), _f16_tile(F16_STRIP_ROWS, 1)
 
 
 @intrinsic
