@@ -129,7 +129,8 @@ class ShardWeights:
 def split_columns(products: np.ndarray, at: tuple[int, ...]) -> list[np.ndarray]:
     """A stacked matrix's products (T, rows) cut back into each matrix's (T, its rows), contiguous
     (a view for one token, a copy for several: the kernels after them take rows without gaps)."""
-    return [np.ascontiguousarray(part) for part in np.split(products, at, axis=1)]
+    bounds = (0, *at, products.shape[1])
+    return [np.ascontiguousarray(products[:, a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def packed_for_kernels(name: str, tensor):

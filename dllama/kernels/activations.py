@@ -12,6 +12,7 @@ from numba import njit, prange
 
 from ..quant import QK
 from . import CACHE
+from .simd_float import f16_round
 
 
 def round_f16(a: np.ndarray) -> np.ndarray:
@@ -32,8 +33,8 @@ def _quantize_q8_row(x, xq, xd, xds, t):
             xq[t, o + j] = q
             s += q
         d = amax / np.float32(127.0)
-        xd[t, b] = d
-        xds[t, b] = d * np.float32(s)  # in f32, as GGML, before rounding to f16
+        xd[t, b] = f16_round(d)  # GGML's block_q8_0 / q8_1 hold d and d*sum(q) as f16
+        xds[t, b] = f16_round(d * np.float32(s))  # (d*s in f32 before rounding, as GGML)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -74,7 +75,7 @@ class Q8Activations(_QuantizedRows):
         d = np.empty((T, cols // QK), np.float32)
         ds = np.empty((T, cols // QK), np.float32)
         _quantize_q8(x, q, d, ds)
-        return cls(q, round_f16(d), round_f16(ds))
+        return cls(q, d, ds)
 
     @classmethod
     def quantize_ref(cls, x: np.ndarray) -> "Q8Activations":

@@ -82,6 +82,20 @@ def _f16_array_at(typingctx, address, size):
     return sig, codegen
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, t, h):
+    """Token t's key and value of KV head h into its sequence's cache (f16, V transposed)."""
+    Hkv = k_new.shape[1]
+    j = sequence[t]
+    n_ctx, p = ctx[j], starts[j] + t - offsets[j]
+    size = (layer + 1) * Hkv * n_ctx * D
+    k_cache, v_cache = _f16_array_at(k_base[j], size), _f16_array_at(v_base[j], size)
+    head = (layer * Hkv + h) * n_ctx * D
+    for d in range(D):
+        k_cache[head + p * D + d] = f16_bits(k_new[t, h, d])
+        v_cache[head + d * n_ctx + p] = f16_bits(v_new[t, h, d])
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, layer, Hq, D, kv_of_head, scale,
                window, out):
@@ -102,29 +116,26 @@ def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, 
     sequence = np.empty(T, np.int64)
     for j in range(len(starts)):
         sequence[offsets[j]:offsets[j + 1]] = j
-    for job in prange(k_new.shape[0] * Hkv):
-        t, h = job // Hkv, job % Hkv
-        j = sequence[t]
-        n_ctx, p = ctx[j], starts[j] + t - offsets[j]
-        size = (layer + 1) * Hkv * n_ctx * D
-        k_cache, v_cache = _f16_array_at(k_base[j], size), _f16_array_at(v_base[j], size)
-        head = (layer * Hkv + h) * n_ctx * D
-        for d in range(D):
-            k_cache[head + p * D + d] = f16_bits(k_new[t, h, d])
-            v_cache[head + d * n_ctx + p] = f16_bits(v_new[t, h, d])
-    for job in prange(copies.shape[0] * Hkv):
-        c, h = job // Hkv, job % Hkv
-        k_src, v_src, src_ctx, k_dst, v_dst, dst_ctx, n = copies[c]
-        src_size, dst_size = (layer + 1) * Hkv * src_ctx * D, (layer + 1) * Hkv * dst_ctx * D
-        k_from, k_to = _f16_array_at(k_src, src_size), _f16_array_at(k_dst, dst_size)
-        v_from, v_to = _f16_array_at(v_src, src_size), _f16_array_at(v_dst, dst_size)
-        src_head, dst_head = (layer * Hkv + h) * src_ctx * D, (layer * Hkv + h) * dst_ctx * D
-        for i in range(n * D):
-            k_to[dst_head + i] = k_from[src_head + i]
-        for d in range(D):  # V transposed: a run of n positions per dimension
-            at, to = src_head + d * src_ctx, dst_head + d * dst_ctx
-            for i in range(n):
-                v_to[to + i] = v_from[at + i]
+    if k_new.shape[0] == 1:  # one token (decode): a few stores, less than a thread team's start
+        for h in range(Hkv):
+            _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, 0, h)
+    else:
+        for job in prange(k_new.shape[0] * Hkv):
+            _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, job // Hkv, job % Hkv)
+    if copies.shape[0] > 0:  # (rarely: a prompt start shared; no thread team started otherwise)
+        for job in prange(copies.shape[0] * Hkv):
+            c, h = job // Hkv, job % Hkv
+            k_src, v_src, src_ctx, k_dst, v_dst, dst_ctx, n = copies[c]
+            src_size, dst_size = (layer + 1) * Hkv * src_ctx * D, (layer + 1) * Hkv * dst_ctx * D
+            k_from, k_to = _f16_array_at(k_src, src_size), _f16_array_at(k_dst, dst_size)
+            v_from, v_to = _f16_array_at(v_src, src_size), _f16_array_at(v_dst, dst_size)
+            src_head, dst_head = (layer * Hkv + h) * src_ctx * D, (layer * Hkv + h) * dst_ctx * D
+            for i in range(n * D):
+                k_to[dst_head + i] = k_from[src_head + i]
+            for d in range(D):  # V transposed: a run of n positions per dimension
+                at, to = src_head + d * src_ctx, dst_head + d * dst_ctx
+                for i in range(n):
+                    v_to[to + i] = v_from[at + i]
     pad = 32  # the vector dot's step; the masked cells past n add exact zeros, as GGML's
     for job in prange(T * Hq):
         t, h = job // Hq, job % Hq

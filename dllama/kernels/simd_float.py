@@ -174,6 +174,8 @@ def _scalar_op(name: str, source, target, build):
 f32_bits = _scalar_op("f32_bits", types.float32, types.int32, lambda b, x: b.bitcast(x, I32))
 f32_from_bits = _scalar_op("f32_from_bits", types.int32, types.float32, lambda b, x: b.bitcast(x, F32))
 f16_bits = _scalar_op("f16_bits", types.float32, types.uint16, lambda b, x: b.bitcast(b.fptrunc(x, F16), I16))
+# x rounded to the nearest f16 (ties to even), as a float32: numpy's x.astype(float16).astype(float32)
+f16_round = _scalar_op("f16_round", types.float32, types.float32, lambda b, x: b.fpext(b.fptrunc(x, F16), F32))
 
 
 @intrinsic
