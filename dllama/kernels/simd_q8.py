@@ -70,12 +70,14 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, block_format(fmt).block_bytes)
 
 
-def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_stride: int):
+def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_stride: int,
+                   scales_side_by_side: bool = False):
     """The dots of weight rows (each a dict of field pointers, its blocks block_stride bytes apart)
     with activation rows. Each pair has its own accumulators, added to in the same order as when it
     is alone, so a pair's bits do not depend on the tile it is computed in (batch invariance); the
     tile shares the unpacking of each weight block among its tokens and each activation block among
-    its rows."""
+    its rows. scales_side_by_side: the rows' scales d are adjacent f16s (rows packed field by field),
+    loaded and multiplied by the activation's scale as one vector for one token."""
     biased = X86_VNNI and fmt in _BIAS
     pairs = [(i, j) for i in range(len(rows)) for j in range(len(x_rows))]
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
@@ -88,11 +90,16 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     def splat_scale(scale):
         return splat(builder, builder.fpext(scale, F64) if acc_t is F64 else scale, LANES)
 
+    one_vector = scales_side_by_side and len(x_rows) == 1 and len(rows) > 1
     with span.loop(builder, block_stride) as (b, block):
         weights = [_unpack(builder, fmt, fields, block, biased) for fields in rows]
+        if one_vector:
+            d_rows = builder.fpext(load_at(builder, rows[0]["d"], block, F16, len(rows)), vec(F32, len(rows)))
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
             d_x = builder.load(builder.gep(xd_ptr, [b]))
+            # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
+            products = builder.fmul(d_rows, splat(builder, d_x, len(rows))) if one_vector else None
             # in a tile, d_x's splat is one register multiplied by each row's d_w splat
             dx_splat = opaque(builder, splat(builder, d_x, LANES)) if acc_t is F32 and len(rows) > 1 else None
             start = None
@@ -103,7 +110,10 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
                 quads = quad_dot(builder, quants, xq, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
                 # the scale's product is exact (two f16 significands fit in f32): a product of splats
                 # is the splat of the product
-                if dx_splat is not None:
+                if products is not None:
+                    scale = builder.extract_element(products, ir.Constant(I32, i))
+                    scale = splat(builder, builder.fpext(scale, F64) if acc_t is F64 else scale, LANES)
+                elif dx_splat is not None:
                     scale = builder.fmul(splat_scale(d_w), dx_splat)
                 else:
                     scale = builder.fmul(splat_scale(d_w), splat_scale(d_x)) if acc_t is F32 else \
@@ -234,7 +244,7 @@ def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, sp
     sizes = dict(block_format(fmt).fields)
     rows = [{name: builder.gep(ptr, [ir.Constant(I64, sizes[name] * i)]) for name, ptr in fields.items()}
             for i in range(n_rows)]
-    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, stride)
+    return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, stride, scales_side_by_side=True)
 
 
 # dot(w, r, xq, xd, xds, t): row r of weight w (uint8, block format fmt) against Q8 activation row t
