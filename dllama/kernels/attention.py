@@ -96,6 +96,9 @@ def _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, laye
         v_cache[head + d * n_ctx + p] = f16_bits(v_new[t, h, d])
 
 
+ATTENTION_TOKENS = 16  # tokens per job of one head (see _attention)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, layer, Hq, D, kv_of_head, scale,
                window, out):
@@ -137,25 +140,37 @@ def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, 
                 for i in range(n):
                     v_to[to + i] = v_from[at + i]
     pad = 32  # the vector dot's step; the masked cells past n add exact zeros, as GGML's
-    for job in prange(T * Hq):
-        t, h = job // Hq, job % Hq
-        j = sequence[t]
-        kv, n_ctx = kv_of_head[h], ctx[j]
-        n = starts[j] + t - offsets[j] + 1
-        lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
-        n_pad = min((n + pad - 1) // pad * pad, n_ctx)
-        size = (layer + 1) * Hkv * n_ctx * D
-        k_cache, v_cache = _f16_array_at(k_base[j], size), _f16_array_at(v_base[j], size)
-        head = (layer * Hkv + kv) * n_ctx * D
-        weights = np.zeros(n_pad, np.float32)
-        for s in range(lo, n):
-            weights[s] = dot_f16(k_cache, head + s * D, q16, (t * Hq + h) * D, D) * scale
-        _softmax_row(weights, lo, n)
-        probs16 = np.zeros(n_pad, np.uint16)
-        for s in range(lo, n):
-            probs16[s] = f16_bits(weights[s])
-        for d in range(D):
-            out[t, h, d] = dot_f16(v_cache, head + d * n_ctx, probs16, 0, n_pad)
+    # Jobs of one head x up to ATTENTION_TOKENS tokens, head-major: a thread's share is whole heads
+    # (token-major gave one thread the early tokens, the other the late ones, which see more
+    # positions), and a job's scratch rows are allocated once for its tokens, not per (token, head)
+    # (numba's allocation counters are shared by the threads). A 128-token prefill's attention
+    # (32 heads) at 2 threads: 7.7-8.1 ms before, slower than 1 thread's 6.6; now 3.7-6.6 ms
+    chunks = (T + ATTENTION_TOKENS - 1) // ATTENTION_TOKENS
+    longest = 0
+    for j in range(len(starts)):
+        longest = max(longest, ctx[j])
+    for job in prange(Hq * chunks):
+        h, first = job // chunks, job % chunks * ATTENTION_TOKENS
+        weights = np.empty(longest, np.float32)
+        probs16 = np.empty(longest, np.uint16)
+        for t in range(first, min(T, first + ATTENTION_TOKENS)):
+            j = sequence[t]
+            kv, n_ctx = kv_of_head[h], ctx[j]
+            n = starts[j] + t - offsets[j] + 1
+            lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
+            n_pad = min((n + pad - 1) // pad * pad, n_ctx)
+            size = (layer + 1) * Hkv * n_ctx * D
+            k_cache, v_cache = _f16_array_at(k_base[j], size), _f16_array_at(v_base[j], size)
+            head = (layer * Hkv + kv) * n_ctx * D
+            weights[:n_pad] = 0.0
+            for s in range(lo, n):
+                weights[s] = dot_f16(k_cache, head + s * D, q16, (t * Hq + h) * D, D) * scale
+            _softmax_row(weights, lo, n)
+            probs16[:n_pad] = 0
+            for s in range(lo, n):
+                probs16[s] = f16_bits(weights[s])
+            for d in range(D):
+                out[t, h, d] = dot_f16(v_cache, head + d * n_ctx, probs16, 0, n_pad)
 
 
 def _address(a: np.ndarray) -> int:
