@@ -222,6 +222,26 @@ def scaled_quad_dot(builder, w_u8, x_i8, scales, acc):
     return builder.add(acc, builder.mul(quad_dot(builder, w_u8, x_i8, w_unsigned=True), scales))
 
 
+def run_pair_scales(builder, table, a: tuple[int, int], b: tuple[int, int]):
+    """For scaled_quad_dot_pair (VNNI): i16 lanes 2k, 2k+1 = the scales of runs a and b in lane k,
+    each run's (lanes 0-3, lanes 4-7) entries of a scale_table: one shuffle for two runs."""
+    return builder.shuffle_vector(table, table, const_vec(I32, [a[0], b[0]] * 4 + [a[1], b[1]] * 4))
+
+
+def scaled_quad_dot_pair(builder, w_a, x_a, w_b, x_b, scales, acc):
+    """scaled_quad_dot of two runs (a, b) into acc, with VNNI: each run's quad dots by one vpdpbusd
+    (unsigned weights below 64 and activations of magnitude at most 127: every lane fits 16 bits),
+    their lanes interleaved as i16 pairs and multiplied by the runs' scales (run_pair_scales) and
+    added in one vpdpwssd: three multiplies for two runs where maddubs + vpdpwssd take four. The
+    same integers in every lane."""
+    quads = [builder.bitcast(quad_dot(builder, w, x, w_unsigned=True), vec(I16, 16))
+             for w, x in ((w_a, x_a), (w_b, x_b))]
+    lows = [i for k in range(8) for i in (2 * k, 16 + 2 * k)]  # each i32 lane's low half, a's then b's
+    interleaved = builder.shuffle_vector(quads[0], quads[1], const_vec(I32, lows))
+    dpwssd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpwssd.256", vec(I32, 8), [vec(I32, 8)] * 3)
+    return builder.call(dpwssd, [acc, builder.bitcast(interleaved, vec(I32, 8)), builder.bitcast(scales, vec(I32, 8))])
+
+
 def pair_sums(builder, v):
     """<2n x i32> -> <n x i32>: lane k = v[2k] + v[2k+1]."""
     n = v.type.count // 2
