@@ -13,9 +13,9 @@ from numba.extending import intrinsic
 
 from . import CACHE
 from .activations import round_f16
-from .matmul import dot_f16
+from .matmul import f16_tail
 from .ops import expf
-from .simd_float import f16_bits, hsum8
+from .simd_float import F16_STRIP_ROWS, f16_at, f16_bits, f16_round, hsum8, row_f16_f32, strip_f16_f32
 
 # ------------------------------------------------------------------ softmax
 
@@ -64,6 +64,40 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ attention
+
+
+@intrinsic
+def _f16_rows_at(typingctx, address, rows, cols):
+    """The rows x cols f16 values (uint16 bits) at an address, as a C-contiguous 2-D array that owns
+    nothing (as _f16_array_at): a head's keys (positions x head_dim) or transposed values."""
+    sig = types.Array(types.uint16, 2, "C")(address, rows, cols)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.return_type)(context, builder)
+        item = context.get_constant(types.intp, 2)
+        pointer = builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint16)))
+        rows, cols = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:]))
+        context.populate_array(array, data=pointer, shape=[rows, cols], strides=[builder.mul(cols, item), item],
+                               itemsize=item, meminfo=None)
+        return array._getvalue()
+
+    return sig, codegen
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _dots_in_strips(rows, first, stop, x, n, out):
+    """out[0, r] = the dot of rows[r] (f16) and x[0] (f32 values of f16s), first n values (a
+    multiple of 32), for first <= r < stop, in strips of F16_STRIP_ROWS adjacent rows (each x vector
+    loaded once for them), the last strip overlapping the one before (its rows computed twice, the
+    same bits) rather than reading past stop. Each dot in dot_f16's order."""
+    if stop - first < F16_STRIP_ROWS:
+        for r in range(first, stop):
+            row_f16_f32(rows, r, 1, x, 0, n, out)
+        return
+    for r in range(first, stop - F16_STRIP_ROWS + 1, F16_STRIP_ROWS):
+        strip_f16_f32(rows, r, 1, x, 0, n, out)
+    if (stop - first) % F16_STRIP_ROWS:
+        strip_f16_f32(rows, stop - F16_STRIP_ROWS, 1, x, 0, n, out)
 
 
 @intrinsic
@@ -149,28 +183,36 @@ def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, 
     longest = 0
     for j in range(len(starts)):
         longest = max(longest, ctx[j])
+    main = D - D % 32  # the strips' part of a key; the rest added by f16_tail
     for job in prange(Hq * chunks):
         h, first = job // chunks, job % chunks * ATTENTION_TOKENS
-        weights = np.empty(longest, np.float32)
-        probs16 = np.empty(longest, np.uint16)
+        weights = np.empty((1, longest), np.float32)  # scores, then the softmax
+        probs = np.empty((1, longest), np.float32)  # the softmax rounded to f16 (its values)
+        query = np.empty((1, D), np.float32)  # the query's f16 values
+        result = np.empty((1, D), np.float32)
         for t in range(first, min(T, first + ATTENTION_TOKENS)):
             j = sequence[t]
             kv, n_ctx = kv_of_head[h], ctx[j]
             n = starts[j] + t - offsets[j] + 1
             lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
             n_pad = min((n + pad - 1) // pad * pad, n_ctx)
-            size = (layer + 1) * Hkv * n_ctx * D
-            k_cache, v_cache = _f16_array_at(k_base[j], size), _f16_array_at(v_base[j], size)
             head = (layer * Hkv + kv) * n_ctx * D
-            weights[:n_pad] = 0.0
+            keys = _f16_rows_at(k_base[j] + 2 * head, n_ctx, D)  # (positions, D)
+            values = _f16_rows_at(v_base[j] + 2 * head, D, n_ctx)  # transposed: (D, positions)
+            q_at = (t * Hq + h) * D
+            for i in range(D):
+                query[0, i] = f16_at(q16, q_at + i)
+            weights[0, :n_pad] = 0.0
+            _dots_in_strips(keys, lo, n, query, main, weights)
             for s in range(lo, n):
-                weights[s] = dot_f16(k_cache, head + s * D, q16, (t * Hq + h) * D, D) * scale
-            _softmax_row(weights, lo, n)
-            probs16[:n_pad] = 0
+                weights[0, s] = f16_tail(weights[0, s], keys, s * D, q16, q_at, main, D) * scale
+            _softmax_row(weights[0], lo, n)
+            probs[0, :n_pad] = 0.0
             for s in range(lo, n):
-                probs16[s] = f16_bits(weights[s])
+                probs[0, s] = f16_round(weights[0, s])
+            _dots_in_strips(values, 0, D, probs, n_pad, result)  # n_pad: a multiple of 32
             for d in range(D):
-                out[t, h, d] = dot_f16(v_cache, head + d * n_ctx, probs16, 0, n_pad)
+                out[t, h, d] = result[0, d]
 
 
 def _address(a: np.ndarray) -> int:

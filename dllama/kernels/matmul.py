@@ -433,11 +433,11 @@ def dot_f16(a, a_offset, b, b_offset, n):
     one. The F16 matmul and the attention use it for every token, so a token's result does not
     depend on how many are computed together."""
     main = n - n % 32
-    return _f16_tail(dot_f16_f16_vec(a, a_offset, b, b_offset, main), a, a_offset, b, b_offset, main, n)
+    return f16_tail(dot_f16_f16_vec(a, a_offset, b, b_offset, main), a, a_offset, b, b_offset, main, n)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _f16_tail(head, a, a_offset, b, b_offset, start, n):
+def f16_tail(head, a, a_offset, b, b_offset, start, n):
     """head (the sum of the first `start` products) plus products start..n-1, added in float64."""
     total = np.float64(head)
     for i in range(start, n):
@@ -467,7 +467,7 @@ def _mm_f16(w, x16, x32, out):
             for r in range(block * F16_ROW_BLOCK, min(q, (block + 1) * F16_ROW_BLOCK)):
                 strip_f16_f32(w, r, q, x32, 0, main, out)
                 for i in range(r, r + q * F16_STRIP_ROWS, q):
-                    out[0, i] = _f16_tail(out[0, i], w, i * row_stride, x16, 0, main, cols)
+                    out[0, i] = f16_tail(out[0, i], w, i * row_stride, x16, 0, main, cols)
         for r in range(q * F16_STRIP_ROWS, rows):
             out[0, r] = dot_f16(w, r * row_stride, x16, 0, cols)
         return
@@ -478,7 +478,7 @@ def _mm_f16(w, x16, x32, out):
             for r in range(first, last):
                 tile_f16_f32(w, r, 0, x32, t, main, out)
                 for j in range(t, t + F16_TILE_TOKENS):
-                    out[j, r] = _f16_tail(out[j, r], w, r * row_stride, x16, j * cols, main, cols)
+                    out[j, r] = f16_tail(out[j, r], w, r * row_stride, x16, j * cols, main, cols)
         for r in range(first, last):
             for t in range(tiled_tokens, T):
                 out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)

@@ -119,6 +119,12 @@ def strip_f16_f32(typingctx, w, r, step, x, t, n, out):
 
 
 @intrinsic
+def row_f16_f32(typingctx, w, r, step, x, t, n, out):
+    """The same for row r alone against token t."""
+    return types.void(w, r, step, x, t, n, out), _f16_tile(1, 1)
+
+
+@intrinsic
 def dot_f16_f16_vec(typingctx, a, a_offset, b, b_offset, n):
     """sum(a[a_offset:+n] * b[b_offset:+n]) of two f16 vectors (uint16 arrays of f16 bits), in
     the order of GGML's ggml_vec_dot_f16, which llama.cpp uses when the other operand is a single
