@@ -18,8 +18,8 @@ from numba import get_num_threads, njit, prange
 from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
-from .simd_float import (F16_STRIP_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at, strip_f16_f32,
-                          tile_f16_f32)
+from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at,
+                          strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows
 from .simd import CARRIED_PER_ROW
 from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
@@ -454,9 +454,9 @@ def _mm_f16(w, x16, x32, out):
     r + q, r + 2q, ... (q = rows / F16_STRIP_ROWS): each activation vector is loaded once for them,
     and a thread's strips read its quarters of the matrix as so many long sequential streams
     (strips of adjacent short rows were 2x slower from DRAM: streams of 1 KB, too short for the
-    prefetchers). Several tokens: tiles of one row x F16_TILE_TOKENS tokens read the activations
-    as float32 (x32: x16's values, exactly) and convert each weight vector once for them; the
-    tokens left one pair at a time."""
+    prefetchers). Several tokens: tiles of F16_TILE_ROWS rows x F16_TILE_TOKENS tokens read the
+    activations as float32 (x32: x16's values, exactly) and convert each weight vector once for
+    them; the pairs left one at a time."""
     rows, cols = w.shape
     T = x16.shape[0]
     row_stride = w.strides[0] // 2  # in elements; rows of a column slice are not adjacent
@@ -474,13 +474,15 @@ def _mm_f16(w, x16, x32, out):
     tiled_tokens = T - T % F16_TILE_TOKENS
     for block in prange((rows + F16_ROW_BLOCK - 1) // F16_ROW_BLOCK):
         first, last = block * F16_ROW_BLOCK, min(rows, (block + 1) * F16_ROW_BLOCK)
+        tiled_rows = first + (last - first) // F16_TILE_ROWS * F16_TILE_ROWS
         for t in range(0, tiled_tokens, F16_TILE_TOKENS):  # these tokens stay in L1 for the block's rows
-            for r in range(first, last):
-                tile_f16_f32(w, r, 0, x32, t, main, out)
-                for j in range(t, t + F16_TILE_TOKENS):
-                    out[j, r] = f16_tail(out[j, r], w, r * row_stride, x16, j * cols, main, cols)
-        for r in range(first, last):
-            for t in range(tiled_tokens, T):
+            for r in range(first, tiled_rows, F16_TILE_ROWS):
+                tile_f16_f32(w, r, 1, x32, t, main, out)
+                for i in range(r, r + F16_TILE_ROWS):
+                    for j in range(t, t + F16_TILE_TOKENS):
+                        out[j, i] = f16_tail(out[j, i], w, i * row_stride, x16, j * cols, main, cols)
+        for r in range(first, last):  # the rest one pair at a time
+            for t in range(tiled_tokens if r < tiled_rows else 0, T):
                 out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
 
 

@@ -56,7 +56,11 @@ def _ggml_reduce(builder, accumulators):
     return builder.fadd(builder.fadd(el[0], el[1]), builder.fadd(el[2], el[3]))
 
 
-F16_TILE_TOKENS = 4
+# A prefill tile: 2 rows x 2 tokens (16 accumulators, four per pair), each weight vector converted
+# once for the tokens and each activation vector loaded once for the rows. Measured (2048 x 2048, 60
+# tokens, 1 core): 1.4-1.9x faster than 1 row x 4 tokens, with AVX-512 and with AVX2 codegen; 2 x 3
+# and 4 x 2 no better, 2 x 4 slower (spilled)
+F16_TILE_ROWS, F16_TILE_TOKENS = 2, 2
 # A decode strip: F16_STRIP_ROWS weight rows against one token, four accumulators per row (16
 # registers with AVX-512's 32; AVX2 and NEON have 16 and 32 of half the width: 2 rows). Each
 # activation vector is loaded once for the rows, and the rows are as many streams from DRAM.
@@ -105,11 +109,11 @@ def _f16_tile(n_rows: int, n_tokens: int):
 
 @intrinsic
 def tile_f16_f32(typingctx, w, r, step, x, t, n, out):
-    """out[t + j, r] = the sum of the first n (a multiple of 32) products of row r of w (f16 bits,
-    the row contiguous) with row t + j of x (float32 values that are f16s, exactly converted), for
-    j < F16_TILE_TOKENS: bit for bit dot_f16_f16_vec of each pair (prefill: the weights are
-    converted once per F16_TILE_TOKENS tokens, not once per token). step: unused (one row)."""
-    return types.void(w, r, step, x, t, n, out), _f16_tile(1, F16_TILE_TOKENS)
+    """out[t + j, r + i * step] = the sum of the first n (a multiple of 32) products of row r + i *
+    step of w (f16 bits, each row contiguous) with row t + j of x (float32 values that are f16s,
+    exactly converted), for i < F16_TILE_ROWS, j < F16_TILE_TOKENS: bit for bit dot_f16_f16_vec of
+    each pair (prefill: each weight vector converted once for the tokens)."""
+    return types.void(w, r, step, x, t, n, out), _f16_tile(F16_TILE_ROWS, F16_TILE_TOKENS)
 
 
 @intrinsic
