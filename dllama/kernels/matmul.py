@@ -463,11 +463,10 @@ def _mm_f16(w, x16, x32, out):
     main = cols - cols % 32
     if T == 1:
         q = rows // F16_STRIP_ROWS
-        for block in prange((q + F16_ROW_BLOCK - 1) // F16_ROW_BLOCK):
-            for r in range(block * F16_ROW_BLOCK, min(q, (block + 1) * F16_ROW_BLOCK)):
-                strip_f16_f32(w, r, q, x32, 0, main, out)
-                for i in range(r, r + q * F16_STRIP_ROWS, q):
-                    out[0, i] = f16_tail(out[0, i], w, i * row_stride, x16, 0, main, cols)
+        for r in prange(q):  # (each thread a contiguous share of the strips: of every quarter)
+            strip_f16_f32(w, r, q, x32, 0, main, out)
+            for i in range(r, r + q * F16_STRIP_ROWS, q):
+                out[0, i] = f16_tail(out[0, i], w, i * row_stride, x16, 0, main, cols)
         for r in range(q * F16_STRIP_ROWS, rows):
             out[0, r] = dot_f16(w, r * row_stride, x16, 0, cols)
         return
