@@ -66,24 +66,6 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ attention
 
 
-@intrinsic
-def _f16_rows_at(typingctx, address, rows, cols):
-    """The rows x cols f16 values (uint16 bits) at an address, as a C-contiguous 2-D array that owns
-    nothing (as _f16_array_at): a head's keys (positions x head_dim) or transposed values."""
-    sig = types.Array(types.uint16, 2, "C")(address, rows, cols)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.return_type)(context, builder)
-        item = context.get_constant(types.intp, 2)
-        pointer = builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint16)))
-        rows, cols = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:]))
-        context.populate_array(array, data=pointer, shape=[rows, cols], strides=[builder.mul(cols, item), item],
-                               itemsize=item, meminfo=None)
-        return array._getvalue()
-
-    return sig, codegen
-
-
 @njit(inline="always", nogil=True, cache=CACHE)
 def _dots_in_strips(rows, first, stop, x, n, out):
     """out[0, r] = the dot of rows[r] (f16) and x[0] (f32 values of f16s), first n values (a
@@ -100,20 +82,36 @@ def _dots_in_strips(rows, first, stop, x, n, out):
         strip_f16_f32(rows, stop - F16_STRIP_ROWS, 1, x, 0, n, out)
 
 
-@intrinsic
-def _f16_array_at(typingctx, address, size):
-    """The `size` f16 values (uint16 bits) at an address, as a 1-D array that owns nothing: no
-    reference count to update (an atomic, when the parallel loop's threads share it)."""
-    sig = types.Array(types.uint16, 1, "C")(address, size)
+def _f16_at_address(typingctx, address, *shape):
+    """The f16 values (uint16 bits) at an address, as a C-contiguous array of `shape` that owns
+    nothing: no reference count to update (an atomic, when the parallel loop's threads share it)."""
+    sig = types.Array(types.uint16, len(shape), "C")(address, *shape)
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.return_type)(context, builder)
         item = context.get_constant(types.intp, 2)
         pointer = builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint16)))
-        context.populate_array(array, data=pointer, shape=[args[1]], strides=[item], itemsize=item, meminfo=None)
+        dims = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        strides = [item]
+        for dim in reversed(dims[1:]):
+            strides.insert(0, builder.mul(dim, strides[0]))
+        context.populate_array(array, data=pointer, shape=dims, strides=strides, itemsize=item, meminfo=None)
         return array._getvalue()
 
     return sig, codegen
+
+
+@intrinsic
+def _f16_array_at(typingctx, address, size):
+    """`size` f16 values at an address, a 1-D array (_f16_at_address)."""
+    return _f16_at_address(typingctx, address, size)
+
+
+@intrinsic
+def _f16_rows_at(typingctx, address, rows, cols):
+    """rows x cols f16 values at an address, a 2-D array (_f16_at_address): a head's keys
+    (positions x head_dim) or transposed values."""
+    return _f16_at_address(typingctx, address, rows, cols)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)

@@ -101,7 +101,8 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             products = builder.fmul(d_rows, splat(builder, d_x, len(rows))) if one_vector else None
             # in a tile, d_x's splat is one register multiplied by each row's d_w splat
-            dx_splat = opaque(builder, splat(builder, d_x, LANES)) if acc_t is F32 and len(rows) > 1 else None
+            dx_splat = opaque(builder, splat(builder, d_x, LANES)) \
+                if acc_t is F32 and len(rows) > 1 and not one_vector else None
             start = None
             if biased:  # -bias * the sum of each lane's four activations
                 bias = quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True)
