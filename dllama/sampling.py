@@ -78,8 +78,10 @@ def apply_repeat_penalty(logits: np.ndarray, vocab_start: int, recent: list[int]
 def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, recent: list[int] = (),
               target: int | None = None) -> LogitSummary:
     """Reduce one position's logit slice (float32, 1-D) to a summary."""
-    logits = np.array(logits, dtype=np.float32)
-    apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    if params.repeat_penalty != 1.0 and recent:  # on a copy: the caller's logits stay as they are
+        logits = logits.copy()
+        apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
     k = min(params.n_candidates, logits.shape[0])
     top = np.array([int(np.argmax(logits))]) if k == 1 else top_k(logits, k)  # best first, ties by id
     temperature = params.temperature if not params.greedy else 1.0
