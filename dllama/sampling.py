@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kernels.ops import top_k
+from .kernels.ops import log_sum_exp, top_k
 
 MAX_CANDIDATES = 256  # per node, per position
 
@@ -84,13 +84,7 @@ def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, rece
         apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
     k = min(params.n_candidates, logits.shape[0])
     top = np.array([int(np.argmax(logits))]) if k == 1 else top_k(logits, k)  # best first, ties by id
-    temperature = params.temperature if not params.greedy else 1.0
-    scaled = logits.astype(np.float64)
-    if temperature != 1.0:
-        scaled /= temperature
-    peak = scaled.max()
-    scaled -= peak  # in place: a 49k vocabulary's temporaries cost more than the arithmetic
-    lse = float(peak + np.log(np.exp(scaled, out=scaled).sum()))
+    lse = log_sum_exp(logits, params.temperature if not params.greedy else 1.0)
     target_logit = None
     if target is not None and vocab_start <= target < vocab_start + logits.shape[0]:
         target_logit = float(logits[target - vocab_start])

@@ -18,8 +18,8 @@ from dllama.kernels.activations import Activations, Q8Activations, Q8KActivation
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_ref
 from dllama.kernels.packing import PACKABLE
-from dllama.kernels.ops import (expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope, rope_ref, silu_mul,
-                                silu_mul_ref, softcap)
+from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope,
+                                rope_ref, silu_mul, silu_mul_ref, softcap)
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
@@ -306,6 +306,26 @@ def test_expf_special_values():
     assert y[3] == 1.0 and y[4] == 1.0
     assert y[5] == 0.0 and y[6] == np.inf and y[7] == 0.0 and y[8] == np.inf
     assert y[9] == np.inf and y[10] == 0.0 and y[11] == 1.0
+
+
+@njit(cache=False)
+def _exp_nonpositive_f64_all(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = exp_nonpositive_f64(x[i])
+    return out
+
+
+def test_float64_exp_of_non_positive_values_is_within_an_ulp_of_numpy_s():
+    """The log-sum-exp's exp (a 49k vocabulary per sequence and token): within an ulp or two of
+    numpy's where exp's result is normal, 0 below that (nothing a sum that holds exp(0) can see)."""
+    x = np.concatenate([-np.linspace(0.0, 708.0, 2_000_001), -np.random.default_rng(12).uniform(0, 1, 100_000),
+                        [-0.0, -1e-300, -0.5 * np.log(2), -np.log(2), -707.9]])
+    ours = _exp_nonpositive_f64_all(x)
+    exact = np.exp(x)
+    assert (np.abs(ours - exact) / exact).max() <= 2 * np.finfo(np.float64).eps
+    assert (_exp_nonpositive_f64_all(np.array([-708.5, -745.2, -1e6, -np.inf])) == 0).all()
+    assert _exp_nonpositive_f64_all(np.array([0.0]))[0] == 1.0
 
 
 def test_silu_mul():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dllama.kernels.ops import top_k, top_k_ref
+from dllama.kernels.ops import log_sum_exp, log_sum_exp_ref, top_k, top_k_ref
 from dllama.sampling import (MAX_CANDIDATES, LogitSummary, Sampler, SamplingParams, apply_repeat_penalty, global_lse,
                              summarize, target_logprob)
 
@@ -48,6 +48,21 @@ def test_top_k_is_the_k_best_ties_to_the_lowest_id(kind, n):
          "equal": lambda: np.zeros(n)}[kind]().astype(np.float32)
     for k in sorted({0, 1, 2, 3, 40, MAX_CANDIDATES, n, n + 3}):
         np.testing.assert_array_equal(top_k(x, k), top_k_ref(x, k))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1023, 1025, 49152])
+def test_log_sum_exp_is_numpy_s_in_float64(n):
+    """Summed over chunks and lanes, whatever the length (tails of both), with a temperature or
+    without; -inf logits add nothing; far from zero nothing overflows."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 6).astype(np.float32)
+    for temperature in (1.0, 0.7, 2.5):
+        assert log_sum_exp(x, temperature) == pytest.approx(log_sum_exp_ref(x, temperature), rel=1e-14, abs=1e-14)
+    x[1:] = -np.inf
+    assert log_sum_exp(x) == x[0]
+    x[-1] = np.nan  # broken logits say so
+    assert np.isnan(log_sum_exp(x)) and np.isnan(log_sum_exp_ref(x))
+    assert log_sum_exp(np.float32([1000.0, 999.0])) == pytest.approx(1000 + np.log1p(np.exp(-1.0)), rel=1e-15)
 
 
 # ------------------------------------------------------------------ greedy

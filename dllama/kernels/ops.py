@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from ..config import RopeScaling
 from . import CACHE
-from .simd_float import f16_bits, f32_bits, f32_from_bits, fma
+from .simd_float import f16_bits, f32_bits, f32_from_bits, f64_bits, f64_from_bits, fma, fma64
 
 # ------------------------------------------------------------------ RMSNorm
 
@@ -350,3 +350,87 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
 def top_k_ref(x: np.ndarray, k: int) -> np.ndarray:
     order = np.lexsort((np.arange(x.shape[0]), -x))
     return order[:k].astype(np.int64)
+
+
+# ------------------------------------------------------------------ log-sum-exp of a vocabulary
+
+_LOG2E_64 = 1.4426950408889634
+_LN2_HI_64 = float.fromhex("0x1.62e42fee00000p-1")  # ln 2 in two parts (fdlibm's): n * _LN2_HI_64 is exact
+_LN2_LO_64 = float.fromhex("0x1.a39ef35793c76p-33")
+_ROUND_SHIFT_64 = 1.5 * 2.0 ** 52  # added and taken away: rounds to an integer, which lands in the low bits
+_EXP_TAYLOR_64 = tuple(1.0 / math.factorial(i) for i in range(13, -1, -1))  # |r| <= ln2/2: below an ulp
+_LSE_CHUNK = 1024  # exps in a row (one vectorized loop), then summed
+_LSE_LANES = 8  # partial sums: independent chains of additions, in a fixed order
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def exp_nonpositive_f64(d):
+    """exp(d) for d <= 0 in float64, within an ulp or two, 0 below exp's normal range: the reduction
+    by ln 2 and the exponent put in through the bits, as `expf`, with no branch, so that a loop of
+    it is vectorized (numpy's float64 exp is a libm call per value on AVX2: ~12 ns)."""
+    c = max(d, -708.0)
+    z = c * _LOG2E_64 + _ROUND_SHIFT_64
+    n = z - _ROUND_SHIFT_64
+    r = (c - n * _LN2_HI_64) - n * _LN2_LO_64
+    p = _EXP_TAYLOR_64[0]
+    p = fma64(p, r, _EXP_TAYLOR_64[1])
+    p = fma64(p, r, _EXP_TAYLOR_64[2])
+    p = fma64(p, r, _EXP_TAYLOR_64[3])
+    p = fma64(p, r, _EXP_TAYLOR_64[4])
+    p = fma64(p, r, _EXP_TAYLOR_64[5])
+    p = fma64(p, r, _EXP_TAYLOR_64[6])
+    p = fma64(p, r, _EXP_TAYLOR_64[7])
+    p = fma64(p, r, _EXP_TAYLOR_64[8])
+    p = fma64(p, r, _EXP_TAYLOR_64[9])
+    p = fma64(p, r, _EXP_TAYLOR_64[10])
+    p = fma64(p, r, _EXP_TAYLOR_64[11])
+    p = fma64(p, r, _EXP_TAYLOR_64[12])
+    p = fma64(p, r, _EXP_TAYLOR_64[13])
+    scale = f64_from_bits((f64_bits(z) << 52) + np.int64(1023 << 52))
+    return p * scale if d >= -708.0 else 0.0
+
+
+@njit(nogil=True, cache=CACHE, error_model="numpy")
+def _log_sum_exp(x, temperature):
+    if x.shape[0] == 0:
+        return -np.inf  # (the log of an empty sum)
+    largest = x[0]
+    nan = False
+    for i in range(x.shape[0]):
+        largest = max(largest, x[i])
+        nan |= x[i] != x[i]
+    if nan:
+        return np.nan  # (as numpy's sum would say: no silent answer from broken logits)
+    peak = np.float64(largest) / temperature  # (the division by a positive number keeps the order)
+    exps = np.empty(_LSE_CHUNK)
+    lanes = np.zeros(_LSE_LANES)
+    for start in range(0, x.shape[0], _LSE_CHUNK):
+        n = min(_LSE_CHUNK, x.shape[0] - start)
+        if temperature == 1.0:  # (x / 1.0 is x)
+            for i in range(n):
+                exps[i] = exp_nonpositive_f64(np.float64(x[start + i]) - peak)
+        else:
+            for i in range(n):
+                exps[i] = exp_nonpositive_f64(np.float64(x[start + i]) / temperature - peak)
+        whole = n - n % _LSE_LANES
+        for i in range(0, whole, _LSE_LANES):
+            for j in range(_LSE_LANES):
+                lanes[j] += exps[i + j]
+        for i in range(whole, n):
+            lanes[i - whole] += exps[i]
+    total = 0.0
+    for j in range(_LSE_LANES):
+        total += lanes[j]
+    return peak + math.log(total)
+
+
+def log_sum_exp(x: np.ndarray, temperature: float = 1.0) -> float:
+    """log(sum(exp(x / temperature))) of a 1-D float32 array, in float64 (relative to the largest
+    value: no overflow). A 49k vocabulary: 0.58 ms with numpy's exp on AVX2, per sequence and token."""
+    return float(_log_sum_exp(x, np.float64(temperature)))
+
+
+def log_sum_exp_ref(x: np.ndarray, temperature: float = 1.0) -> float:
+    scaled = x.astype(np.float64) / temperature
+    peak = scaled.max()
+    return float(peak + np.log(np.exp(scaled - peak).sum()))

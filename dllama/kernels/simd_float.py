@@ -168,6 +168,17 @@ def fma(typingctx, a, b, c):
     return sig, codegen
 
 
+@intrinsic
+def fma64(typingctx, a, b, c):
+    """a*b + c with one rounding where the CPU has FMA (float64)."""
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        return fmuladd(builder, *args)
+
+    return sig, codegen
+
+
 def _scalar_op(name: str, source, target, build):
     """An intrinsic of one scalar: `build(builder, value)` emits the IR (a bit cast, an f16 rounding)."""
     def typer(typingctx, x):
@@ -183,6 +194,8 @@ def _scalar_op(name: str, source, target, build):
 # bit casts (no conversion), and the bits of the f16 nearest to x (ties to even)
 f32_bits = _scalar_op("f32_bits", types.float32, types.int32, lambda b, x: b.bitcast(x, I32))
 f32_from_bits = _scalar_op("f32_from_bits", types.int32, types.float32, lambda b, x: b.bitcast(x, F32))
+f64_bits = _scalar_op("f64_bits", types.float64, types.int64, lambda b, x: b.bitcast(x, I64))
+f64_from_bits = _scalar_op("f64_from_bits", types.int64, types.float64, lambda b, x: b.bitcast(x, ir.DoubleType()))
 f16_bits = _scalar_op("f16_bits", types.float32, types.uint16, lambda b, x: b.bitcast(b.fptrunc(x, F16), I16))
 # x rounded to the nearest f16 (ties to even), as a float32: numpy's x.astype(float16).astype(float32)
 f16_round = _scalar_op("f16_round", types.float32, types.float32, lambda b, x: b.fpext(b.fptrunc(x, F16), F32))

@@ -55,6 +55,7 @@ def warm_up(verbose: bool = False) -> float:
     ops.rmsnorm(x, norm, 1e-5)
     ops.silu_mul(x, x)
     ops.top_k(x[0], 3)
+    ops.log_sum_exp(x[0], 0.7)
     q = rng.standard_normal((3, 4, 64), dtype=np.float32)
     ops.rope(q, np.arange(3), 64, 10000.0, False)
     ops.rope(q, np.arange(3), 64, 10000.0, False, _read_only(np.ones(32, np.float32)))
