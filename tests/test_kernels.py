@@ -270,12 +270,19 @@ def test_rope_reference_is_a_rotation_of_the_right_pairs(neox):
 # ------------------------------------------------------------------ exp and SiLU
 
 
-@njit(cache=False)
-def _expf_all(x):
-    out = np.empty_like(x)
-    for i in range(x.shape[0]):
-        out[i] = expf(x[i])
-    return out
+def _elementwise(f):
+    """f (a jitted function of one value) over a 1-D array, as the kernels call it."""
+    @njit(cache=False)
+    def each(x):
+        out = np.empty_like(x)
+        for i in range(x.shape[0]):
+            out[i] = f(x[i])
+        return out
+
+    return each
+
+
+_expf_all = _elementwise(expf)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -308,12 +315,7 @@ def test_expf_special_values():
     assert y[9] == np.inf and y[10] == 0.0 and y[11] == 1.0
 
 
-@njit(cache=False)
-def _exp_nonpositive_f64_all(x):
-    out = np.empty_like(x)
-    for i in range(x.shape[0]):
-        out[i] = exp_nonpositive_f64(x[i])
-    return out
+_exp_nonpositive_f64_all = _elementwise(exp_nonpositive_f64)
 
 
 def test_float64_exp_of_non_positive_values_is_within_an_ulp_of_numpy_s():

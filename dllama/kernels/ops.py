@@ -372,20 +372,9 @@ def exp_nonpositive_f64(d):
     z = c * _LOG2E_64 + _ROUND_SHIFT_64
     n = z - _ROUND_SHIFT_64
     r = (c - n * _LN2_HI_64) - n * _LN2_LO_64
-    p = _EXP_TAYLOR_64[0]
-    p = fma64(p, r, _EXP_TAYLOR_64[1])
-    p = fma64(p, r, _EXP_TAYLOR_64[2])
-    p = fma64(p, r, _EXP_TAYLOR_64[3])
-    p = fma64(p, r, _EXP_TAYLOR_64[4])
-    p = fma64(p, r, _EXP_TAYLOR_64[5])
-    p = fma64(p, r, _EXP_TAYLOR_64[6])
-    p = fma64(p, r, _EXP_TAYLOR_64[7])
-    p = fma64(p, r, _EXP_TAYLOR_64[8])
-    p = fma64(p, r, _EXP_TAYLOR_64[9])
-    p = fma64(p, r, _EXP_TAYLOR_64[10])
-    p = fma64(p, r, _EXP_TAYLOR_64[11])
-    p = fma64(p, r, _EXP_TAYLOR_64[12])
-    p = fma64(p, r, _EXP_TAYLOR_64[13])
+    p = 0.0
+    for coefficient in _EXP_TAYLOR_64:  # (Horner's rule, unrolled by LLVM)
+        p = fma64(p, r, coefficient)
     scale = f64_from_bits((f64_bits(z) << 52) + np.int64(1023 << 52))
     return p * scale if d >= -708.0 else 0.0
 

@@ -157,26 +157,20 @@ def hsum8(typingctx, x, offset):
     return sig, codegen
 
 
-@intrinsic
-def fma(typingctx, a, b, c):
-    """a*b + c with one rounding where the CPU has FMA (float32)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
+def _fused_multiply_add(name: str, float_type):
+    def typer(typingctx, a, b, c):
+        def codegen(context, builder, signature, args):
+            return fmuladd(builder, *args)
 
-    def codegen(context, builder, signature, args):
-        return fmuladd(builder, *args)
+        return float_type(float_type, float_type, float_type), codegen
 
-    return sig, codegen
+    typer.__name__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def fma64(typingctx, a, b, c):
-    """a*b + c with one rounding where the CPU has FMA (float64)."""
-    sig = types.float64(types.float64, types.float64, types.float64)
-
-    def codegen(context, builder, signature, args):
-        return fmuladd(builder, *args)
-
-    return sig, codegen
+# a*b + c with one rounding where the CPU has FMA
+fma = _fused_multiply_add("fma", types.float32)
+fma64 = _fused_multiply_add("fma64", types.float64)
 
 
 def _scalar_op(name: str, source, target, build):
