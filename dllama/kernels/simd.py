@@ -115,6 +115,7 @@ _X86_AVX512 = _X86_AVX2 and "+avx512vl" in _HOST_FEATURES and "DLLAMA_AVX2_ONLY"
 X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
 # AVX-512 gives 32 vector registers (16 with AVX2): room for a prefill tile of 16 accumulators
 X86_32_REGISTERS = _X86_AVX512
+X86_16_REGISTERS = _X86_AVX2 and not _X86_AVX512  # (AVX2 without AVX-512: tiles chosen for it)
 _AARCH64 = llvm_binding.get_process_triple().startswith(("aarch64", "arm64"))
 # ARMv8.2's dot product (sdot: four int8 products summed into each i32 lane, one instruction), which a
 # Pi 5's Cortex-A76 has and a Pi 4's A72 has not; DLLAMA_NO_DOTPROD takes the widening multiplies
