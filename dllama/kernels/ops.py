@@ -1,4 +1,5 @@
-"""Transformer ops: RMSNorm, RoPE, exp, SiLU and GELU gates (the softmax and attention are in attention.py).
+"""Transformer ops: RMSNorm, RoPE, exp, SiLU and GELU gates (the softmax and attention are in attention.py),
+and the top-k and log-sum-exp of a logit slice for sampling.
 
 Each numba kernel has a numpy reference `*_ref` beside it. Numerics follow llama.cpp's CPU path
 where that changes results: RMSNorm sums squares in double; RoPE angles are built by repeated
