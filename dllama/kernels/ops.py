@@ -396,12 +396,8 @@ def _log_sum_exp(x, temperature):
     lanes = np.zeros(_LSE_LANES)
     for start in range(0, x.shape[0], _LSE_CHUNK):
         n = min(_LSE_CHUNK, x.shape[0] - start)
-        if temperature == 1.0:  # (x / 1.0 is x)
-            for i in range(n):
-                exps[i] = exp_nonpositive_f64(np.float64(x[start + i]) - peak)
-        else:
-            for i in range(n):
-                exps[i] = exp_nonpositive_f64(np.float64(x[start + i]) / temperature - peak)
+        for i in range(n):
+            exps[i] = exp_nonpositive_f64(np.float64(x[start + i]) / temperature - peak)
         whole = n - n % _LSE_LANES
         for i in range(0, whole, _LSE_LANES):
             for j in range(_LSE_LANES):
