@@ -11,9 +11,9 @@ Two reasons to spell the dots out as IR through numba intrinsics instead of writ
 
 Here: IR types, loads, GGML's fused multiply-add and 8-lane sum, the operands of a row dot or a
 prefill tile and the builder of a format's intrinsics, and the only instructions chosen per CPU
-(the integer quad dots: AVX2, AVX512-VNNI, NEON with or without sdot; IQ4_NL's table lookup), so
-that the dots themselves read the same on x86, AArch64 and elsewhere. Every dot has a plain-numpy
-reference in `matmul.py` / `ops.py` / `attention.py`, and tests check them.
+(the integer quad dots: AVX2, AVX512-VNNI, NEON with or without sdot; IQ4_NL's table lookup;
+Q5's fifth bits), so that the dots themselves read the same on x86, AArch64 and elsewhere. Every
+dot has a plain-numpy reference in `matmul.py` / `ops.py` / `attention.py`, and tests check them.
 """
 
 from __future__ import annotations
@@ -140,6 +140,22 @@ def iq4_nl_values(builder, nibbles, biased: bool = False):
         out = builder.select(builder.icmp_unsigned("==", nibbles, const_vec(I8, [k] * 16)),
                              const_vec(I8, [value] * 16), out)
     return out
+
+
+def bits_to_bytes(builder, bits, if_set: int, if_clear: int = 0):
+    """i32 `bits` -> <32 x i8> whose byte j is `if_set` where bit j is set, else `if_clear` (Q5's
+    fifth bits). AVX-512 turns a <32 x i1> mask into bytes in one instruction; elsewhere LLVM lowers
+    that mask poorly in the dots (Q5_0 and Q5_1 were 7x slower than here on AVX2; 72 instructions
+    against 28 on AArch64), so each byte takes its bit's byte of the word (one byte shuffle) and
+    tests its own bit in it, as GGML's bytes_from_bits_32."""
+    if _X86_AVX512:
+        mask = builder.bitcast(bits, vec(ir.IntType(1), 32))
+    else:
+        word = builder.bitcast(splat(builder, bits, LANES), vec(I8, 32))
+        spread = builder.shuffle_vector(word, word, const_vec(I32, [j // 8 for j in range(32)]))
+        bit_of_lane = const_vec(I8, [1 << (j % 8) if j % 8 < 7 else -128 for j in range(32)])
+        mask = builder.icmp_unsigned("!=", builder.and_(spread, bit_of_lane), const_vec(I8, [0] * 32))
+    return builder.select(mask, const_vec(I8, [if_set] * 32), const_vec(I8, [if_clear] * 32))
 
 
 def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):

@@ -11,9 +11,9 @@ from functools import partial
 from llvmlite import ir
 
 from ..quant import FORMATS, QType
-from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_VNNI, block_intrinsics,
-                   concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics,
-                   quad_dot, splat, vec)
+from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_VNNI, bits_to_bytes,
+                   block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque,
+                   packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # A tile of the prefill GEMM: each weight block unpacked once for TILE_TOKENS tokens, each activation
@@ -34,6 +34,12 @@ def block_format(fmt: str):
     return FORMATS[QType[fmt.upper()]]
 
 
+def _fifth_bit(fmt: str, biased: bool) -> tuple[int, int]:
+    """What a Q5 value's fifth bit adds to its nibble, set and clear: 16 and 0, or for Q5_0's signed
+    values 0 and -16 (as GGML's AVX2 dot: 0xF0 | nibble is nibble - 16 as a signed byte)."""
+    return (0, -16) if fmt == "q5_0" and not biased else (16, 0)
+
+
 def _unpack(builder, fmt: str, fields: dict, block, biased: bool):
     """One weight block at byte `block` past each of its row's field pointers (`fields`: name ->
     i8*): its 32 quants (<32 x i8>, in value order; the signed values, or biased by _BIAS[fmt] if
@@ -50,10 +56,9 @@ def _unpack(builder, fmt: str, fields: dict, block, biased: bool):
         low, high = iq4_nl_values(builder, low, biased), iq4_nl_values(builder, high, biased)
     quants = builder.shuffle_vector(low, high, const_vec(I32, range(32)))  # value order
     if fmt in ("q5_0", "q5_1"):  # bit j of the block's uint32 is value j's fifth bit
-        # (as a mask of 32 bits: AVX-512 turns it into bytes in one instruction, AVX2 in a few)
-        bits = builder.bitcast(load_at(builder, fields["qh"], block, I32), vec(ir.IntType(1), 32))
-        quants = builder.or_(quants, builder.select(bits, const_vec(I8, [16] * 32), const_vec(I8, [0] * 32)))
-    if fmt in ("q4_0", "q5_0") and not biased:
+        quants = builder.or_(quants, bits_to_bytes(builder, load_at(builder, fields["qh"], block, I32),
+                                                   *_fifth_bit(fmt, biased)))
+    if fmt == "q4_0" and not biased:
         quants = builder.sub(quants, const_vec(I8, [_BIAS[fmt]] * 32))
     return quants, d_w, m_w
 
@@ -180,11 +185,10 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
             if fmt in ("q5_0", "q5_1"):  # the fifth bits: the two rows' uint32s as 16-bit halves
                 halves16 = builder.bitcast(load_at(builder, fields["qh"], builder.add(block, ir.Constant(I64, 8 * p)),
                                                    I32, 2), vec(ir.IntType(16), 4))
-                low, high = (builder.or_(v, builder.select(
-                    builder.bitcast(builder.shuffle_vector(halves16, halves16, const_vec(I32, (h, h + 2))),
-                                    vec(ir.IntType(1), 32)), const_vec(I8, [16] * 32), const_vec(I8, [0] * 32)))
-                    for h, v in enumerate((low, high)))
-            if fmt in ("q4_0", "q5_0") and not biased:
+                low, high = (builder.or_(v, bits_to_bytes(builder, builder.bitcast(
+                    builder.shuffle_vector(halves16, halves16, const_vec(I32, (h, h + 2))), I32),
+                    *_fifth_bit(fmt, biased))) for h, v in enumerate((low, high)))
+            if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append((low, high))
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
