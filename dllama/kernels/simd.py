@@ -142,19 +142,23 @@ def iq4_nl_values(builder, nibbles, biased: bool = False):
     return out
 
 
-def bits_to_bytes(builder, bits, if_set: int, if_clear: int = 0):
-    """i32 `bits` -> <32 x i8> whose byte j is `if_set` where bit j is set, else `if_clear` (Q5's
-    fifth bits). AVX-512 turns a <32 x i1> mask into bytes in one instruction; elsewhere LLVM lowers
-    that mask poorly in the dots (Q5_0 and Q5_1 were 7x slower than here on AVX2; 72 instructions
-    against 28 on AArch64), so each byte takes its bit's byte of the word (one byte shuffle) and
-    tests its own bit in it, as GGML's bytes_from_bits_32."""
+def bits_to_bytes(builder, words, bit_of_lane, if_set: int, if_clear: int = 0):
+    """<32 x i8> whose byte j is `if_set` where bit bit_of_lane[j] of `words` (<k x i32>; word i's
+    bits are bits 32i .. 32i+31) is set, else `if_clear`: Q5's fifth bits, lanes taking 16-bit runs.
+    AVX-512 turns a <32 x i1> mask into bytes in one instruction; elsewhere LLVM lowers that mask
+    poorly in the dots (Q5_0 and Q5_1 were 7x slower than here on AVX2; 72 instructions against 28
+    on AArch64), so each byte takes its bit's byte of the words (one byte shuffle) and tests its
+    own bit in it, as GGML's bytes_from_bits_32."""
     if _X86_AVX512:
-        mask = builder.bitcast(bits, vec(ir.IntType(1), 32))
+        runs = [bit_of_lane[16 * r] // 16 for r in (0, 1)]
+        assert all(bit_of_lane[16 * r + i] == 16 * run + i for r, run in enumerate(runs) for i in range(16))
+        halves = builder.bitcast(words, vec(I16, 2 * words.type.count))
+        mask = builder.bitcast(builder.shuffle_vector(halves, halves, const_vec(I32, runs)), vec(ir.IntType(1), 32))
     else:
-        word = builder.bitcast(splat(builder, bits, LANES), vec(I8, 32))
-        spread = builder.shuffle_vector(word, word, const_vec(I32, [j // 8 for j in range(32)]))
-        bit_of_lane = const_vec(I8, [1 << (j % 8) if j % 8 < 7 else -128 for j in range(32)])
-        mask = builder.icmp_unsigned("!=", builder.and_(spread, bit_of_lane), const_vec(I8, [0] * 32))
+        word_bytes = builder.bitcast(words, vec(I8, 4 * words.type.count))
+        spread = builder.shuffle_vector(word_bytes, word_bytes, const_vec(I32, [b // 8 for b in bit_of_lane]))
+        bits = const_vec(I8, [1 << (b % 8) if b % 8 < 7 else -128 for b in bit_of_lane])
+        mask = builder.icmp_unsigned("!=", builder.and_(spread, bits), const_vec(I8, [0] * 32))
     return builder.select(mask, const_vec(I8, [if_set] * 32), const_vec(I8, [if_clear] * 32))
 
 

@@ -56,7 +56,7 @@ def _unpack(builder, fmt: str, fields: dict, block, biased: bool):
         low, high = iq4_nl_values(builder, low, biased), iq4_nl_values(builder, high, biased)
     quants = builder.shuffle_vector(low, high, const_vec(I32, range(32)))  # value order
     if fmt in ("q5_0", "q5_1"):  # bit j of the block's uint32 is value j's fifth bit
-        quants = builder.or_(quants, bits_to_bytes(builder, load_at(builder, fields["qh"], block, I32),
+        quants = builder.or_(quants, bits_to_bytes(builder, load_at(builder, fields["qh"], block, I32, 1), range(32),
                                                    *_fifth_bit(fmt, biased)))
     if fmt == "q4_0" and not biased:
         quants = builder.sub(quants, const_vec(I8, [_BIAS[fmt]] * 32))
@@ -182,12 +182,12 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
             high = builder.lshr(packed, const_vec(I8, [4] * 32))
             if fmt == "iq4_nl":
                 low, high = (halves_of(v, partial(iq4_nl_values, builder, biased=biased)) for v in (low, high))
-            if fmt in ("q5_0", "q5_1"):  # the fifth bits: the two rows' uint32s as 16-bit halves
-                halves16 = builder.bitcast(load_at(builder, fields["qh"], builder.add(block, ir.Constant(I64, 8 * p)),
-                                                   I32, 2), vec(ir.IntType(16), 4))
-                low, high = (builder.or_(v, bits_to_bytes(builder, builder.bitcast(
-                    builder.shuffle_vector(halves16, halves16, const_vec(I32, (h, h + 2))), I32),
-                    *_fifth_bit(fmt, biased))) for h, v in enumerate((low, high)))
+            if fmt in ("q5_0", "q5_1"):  # the fifth bits: each half's 16 of the two rows' uint32s
+                words = load_at(builder, fields["qh"], builder.add(block, ir.Constant(I64, 8 * p)), I32, 2)
+                low, high = (builder.or_(v, bits_to_bytes(builder, words, [*range(16 * h, 16 * h + 16),
+                                                                           *range(32 + 16 * h, 48 + 16 * h)],
+                                                          *_fifth_bit(fmt, biased)))
+                             for h, v in enumerate((low, high)))
             if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append((low, high))
