@@ -662,3 +662,37 @@ def test_quantized_dots_use_sdot_on_aarch64():
     dots(*args)
     asm = next(iter(dots.inspect_asm().values()))
     assert asm.count("sdot") >= 2 and "smull" not in asm, asm[:2000]
+
+
+def test_q5_fifth_bits_are_spread_by_vector_instructions():
+    """Q5_0's and Q5_1's fifth bits become bytes by a byte shuffle and a bit test (simd.bits_to_bytes),
+    in the row dots and in the packed strips: LLVM lowered the <32 x i1> mask they were built from
+    elsewhere into a scalar extract and insert per bit (x86: vpinsrb, bextr; AArch64: sbfx), which
+    made Q5 dots 7x slower than here on AVX2. This looks at the code numba generates for this CPU."""
+    from dllama.kernels.matmul import strip_q5_0, strip_q5_1
+    from dllama.kernels.packing import PackedRows, rows_per_group
+    from dllama.kernels.simd import _AARCH64, _X86_AVX2
+    from dllama.kernels.simd_q8 import dot_q5_0_q8, dot_q5_1_q8
+
+    if not (_X86_AVX2 or _AARCH64):
+        pytest.skip("neither x86 with AVX2 nor AArch64")
+
+    @njit
+    def dots(w0, w1, p0, p1, q, d, ds, out):
+        strip_q5_0(p0, 0, 0, q, d, ds, 0, out, 0)
+        strip_q5_1(p1, 0, 0, q, d, ds, 0, out, 8)
+        return dot_q5_0_q8(w0, 0, q, d, ds, 0), dot_q5_1_q8(w1, 0, q, d, ds, 0)
+
+    x = activations(1, 64, seed=3)
+    w0, w1 = weight_matrix(QType.Q5_0, 8, 64, seed=1).data, weight_matrix(QType.Q5_1, 8, 64, seed=2).data
+    a = Q8Activations.quantize(x)
+    out = np.zeros((1, 16), np.float32)
+    row0, row1 = dots(w0, w1, PackedRows.pack(w0, QType.Q5_0).groups, PackedRows.pack(w1, QType.Q5_1).groups,
+                      a.q, a.d, a.ds, out)
+    n0, n1 = rows_per_group(QType.Q5_0), rows_per_group(QType.Q5_1)
+    np.testing.assert_array_equal(out[0, :n0], matmul(w0, QType.Q5_0, x)[0, :n0])
+    np.testing.assert_array_equal(out[0, 8:8 + n1], matmul(w1, QType.Q5_1, x)[0, :n1])
+    assert (row0, row1) == (out[0, 0], out[0, 8])
+    asm = next(iter(dots.inspect_asm().values()))
+    per_bit = ("pinsrb", "bextr") if _X86_AVX2 else ("sbfx",)
+    assert not any(op in asm for op in per_bit), [line for line in asm.splitlines() if any(op in line for op in per_bit)][:8]
