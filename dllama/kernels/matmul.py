@@ -12,6 +12,8 @@ matvec, T > 1 the batched prefill, where each weight row is read once for all T 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import get_num_threads, njit, prange
 
@@ -20,7 +22,7 @@ from . import CACHE
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at,
                           strip_f16_f32, tile_f16_f32)
-from .packing import PackedRows
+from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
 from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
                       dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
@@ -537,6 +539,16 @@ _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.
                  QType.IQ4_NL: _IQ4_NL}
 
 
+@functools.cache
+def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int], int, bool]:
+    """For packed rows of qtype: (the kernels' format number, their tile shape, rows per group, a
+    K-quant?), worked out once: the enum and dict lookups cost ~5 us a call, and a decode step of
+    SmolLM2 makes ~150 matmuls of 10-100 us."""
+    fmt, k_quant = QType(qtype).name.lower(), qtype in _K_KERNEL
+    return ((_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], (K_PACKED_TILE if k_quant else PACKED_TILE)[fmt],
+            rows_per_group(qtype), k_quant)
+
+
 def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None = None,
            wide: bool = False) -> np.ndarray:
     """out = x @ W.T for W (rows, cols) in a native format, as stored or packed (`PackedRows`, of
@@ -556,37 +568,20 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     elif out.dtype != (np.float64 if wide else np.float32):  # the kernels write the accumulators' type
         raise ValueError(f"matmul's out must be {'float64' if wide else 'float32'}, not {out.dtype}")
     if isinstance(w, PackedRows):
-        fmt = QType(w.qtype).name.lower()
-        if w.qtype in _K_KERNEL:
-            k = x.q8k
-            if w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS:  # long rows, span by span
-                if wide:
-                    _mm_k_packed_spans_wide(w.groups, w.rows, w.rows_per_group, get_num_threads(), _K_KERNEL[w.qtype],
-                                            k.q, k.d, k.sums, out)
-                else:
-                    _mm_k_packed_spans(w.groups, w.rows, w.rows_per_group, *K_PACKED_TILE[fmt], get_num_threads(),
-                                       _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
-                return out
-            if wide:
-                _mm_k_packed_wide(w.groups, w.rows, w.rows_per_group, _K_KERNEL[w.qtype], k.q, k.d, k.sums, out)
-            else:
-                _mm_k_packed(w.groups, w.rows, w.rows_per_group, *K_PACKED_TILE[fmt], _K_KERNEL[w.qtype], k.q, k.d,
-                             k.sums, out)
-            return out
-        a = x.q8
+        kernel, tile, n, k_quant = _packed_kernel(w.qtype)
+        a = x.q8k if k_quant else x.q8
+        acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)
         if w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS:  # long rows, span by span
             if wide:
-                _mm_packed_spans_wide(w.groups, w.rows, w.rows_per_group, get_num_threads(), _QUANT_KERNEL[w.qtype],
-                                      a.q, a.d, a.ds, out)
+                (_mm_k_packed_spans_wide if k_quant else _mm_packed_spans_wide)(
+                    w.groups, w.rows, n, get_num_threads(), kernel, *acts, out)
             else:
-                _mm_packed_spans(w.groups, w.rows, w.rows_per_group, *PACKED_TILE[fmt], get_num_threads(),
-                                 _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
-            return out
-        if wide:
-            _mm_packed_wide(w.groups, w.rows, w.rows_per_group, _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds, out)
+                (_mm_k_packed_spans if k_quant else _mm_packed_spans)(
+                    w.groups, w.rows, n, *tile, get_num_threads(), kernel, *acts, out)
+        elif wide:
+            (_mm_k_packed_wide if k_quant else _mm_packed_wide)(w.groups, w.rows, n, kernel, *acts, out)
         else:
-            _mm_packed(w.groups, w.rows, w.rows_per_group, *PACKED_TILE[fmt], _QUANT_KERNEL[w.qtype], a.q, a.d, a.ds,
-                       out)
+            (_mm_k_packed if k_quant else _mm_packed)(w.groups, w.rows, n, *tile, kernel, *acts, out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8
