@@ -695,4 +695,5 @@ def test_q5_fifth_bits_are_spread_by_vector_instructions():
     assert (row0, row1) == (out[0, 0], out[0, 8])
     asm = next(iter(dots.inspect_asm().values()))
     per_bit = ("pinsrb", "bextr") if _X86_AVX2 else ("sbfx",)
-    assert not any(op in asm for op in per_bit), [line for line in asm.splitlines() if any(op in line for op in per_bit)][:8]
+    per_bit_lines = [line for line in asm.splitlines() if any(op in line for op in per_bit)]
+    assert not per_bit_lines, per_bit_lines[:8]
