@@ -42,7 +42,7 @@ browser: aarch64  # after it: two apt-get runs at once could fail on the package
 # two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles
 test:
 	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=40
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).
 bench-deps: install

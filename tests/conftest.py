@@ -131,3 +131,30 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("inner runs")
         for line in _SUITE_REPORT:
             terminalreporter.write_line(line)
+
+
+def _is_aarch64_test(item) -> bool:
+    return item.nodeid.startswith("tests/test_aarch64.py::")
+
+
+def pytest_collection_modifyitems(items):
+    """tests/test_aarch64.py's tests last: they only wait for runs started in the background."""
+    items.sort(key=_is_aarch64_test)  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    """Starts the emulated aarch64 runs now, if their tests are to run, so that they use the CPU
+    the rest of the suite leaves idle (at the lowest priority) instead of running alone first."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if _is_aarch64_test(item):
+            item.module.start_inner_runs()
+            return
+
+
+def pytest_sessionfinish(session):
+    for item in getattr(session, "items", []):
+        if _is_aarch64_test(item):
+            item.module.stop_inner_runs()
+            return
