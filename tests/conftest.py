@@ -137,6 +137,11 @@ def _is_aarch64_test(item) -> bool:
     return item.nodeid.startswith("tests/test_aarch64.py::")
 
 
+def _aarch64_module(session):
+    """tests/test_aarch64.py's module if its tests are in this session, else None."""
+    return next((item.module for item in getattr(session, "items", []) if _is_aarch64_test(item)), None)
+
+
 def pytest_collection_modifyitems(items):
     """tests/test_aarch64.py's tests last: they only wait for runs started in the background."""
     items.sort(key=_is_aarch64_test)  # stable: the rest keep their order
@@ -145,16 +150,12 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     """Starts the emulated aarch64 runs now, if their tests are to run, so that they use the CPU
     the rest of the suite leaves idle (at the lowest priority) instead of running alone first."""
-    if session.config.option.collectonly:
-        return
-    for item in session.items:
-        if _is_aarch64_test(item):
-            item.module.start_inner_runs()
-            return
+    module = None if session.config.option.collectonly else _aarch64_module(session)
+    if module is not None:
+        module.start_inner_runs()
 
 
 def pytest_sessionfinish(session):
-    for item in getattr(session, "items", []):
-        if _is_aarch64_test(item):
-            item.module.stop_inner_runs()
-            return
+    module = _aarch64_module(session)
+    if module is not None:
+        module.stop_inner_runs()

@@ -165,7 +165,7 @@ def inner_runs():
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    start_inner_runs()  # already started, unless this module's tests were not collected with the session's
+    start_inner_runs()  # a no-op once conftest.py started them (it is not loaded with --noconftest)
     try:
         yield _STARTED
     finally:
