@@ -14,7 +14,8 @@ import pytest
 from numba import njit
 
 from dllama.config import RopeScaling
-from dllama.kernels.activations import Activations, Q8Activations, Q8KActivations, round_f16
+from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, Activations, Q8Activations, Q8KActivations, pair_q8_ref,
+                                        round_f16)
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_ref
 from dllama.kernels.packing import PACKABLE
@@ -186,6 +187,25 @@ def test_q8_activation_quantization_semantics():
     amax = np.abs(g.reshape(17, -1, QK)).max(-1)
     np.testing.assert_array_equal(a.d, round_f16(amax / np.float32(127.0)))
     assert np.abs(a.q).max() == 127
+
+
+def test_q8_paired_layout_equals_reference_exactly():
+    """The paired layout (the prefill tiles' activations for rows packed in pairs): per block the
+    halves twice each, then -bias times each lane's four-value sums as int16, the extremes included."""
+    x = dict(_q8_inputs())["gaussian"]
+    a = Q8Activations.quantize(x)
+    a.q[0, :32] = 127  # the largest sums the int16 must hold, both signs
+    a.q[1, :32] = -127
+    for bias in (0, 8, 16):
+        ours = a.paired(bias)
+        np.testing.assert_array_equal(ours, pair_q8_ref(a.q, bias))
+        blocks = ours.reshape(17, -1, PAIRED_BLOCK_BYTES)
+        np.testing.assert_array_equal(blocks[..., 16:32], a.q.reshape(17, -1, 32)[..., :16])
+        sums = blocks[..., 64:].copy().view(np.int16)
+        assert sums[0, 0, 0] == -bias * 4 * 127 and sums[1, 0, 7] == bias * 4 * 127
+        np.testing.assert_array_equal(sums[2, 3, :4], -bias * a.q[2, 96:112].reshape(4, 4).astype(np.int32).sum(-1))
+    with pytest.raises(ValueError, match="bias"):
+        a.paired(128)
 
 
 # ------------------------------------------------------------------ rmsnorm

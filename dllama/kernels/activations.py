@@ -46,6 +46,36 @@ def _quantize_q8(x, xq, xd, xds):
             _quantize_q8_row(x, xq, xd, xds, t)
 
 
+# The paired layout of Q8 values (what the prefill tiles of rows packed in pairs read, simd_q8.py), per
+# 32-value block: values 0-15 twice, values 16-31 twice (the halves a pair of rows meets), then 16
+# int16: -bias times the sum of values 4k .. 4k+3 for k = 0-3, 0-3, 4-7, 4-7 (each half's lanes)
+PAIRED_BLOCK_BYTES = 96
+
+
+@njit(nogil=True, cache=CACHE)
+def _pair_q8(q, bias, out, sums):
+    """out (T, blocks * PAIRED_BLOCK_BYTES) int8 and sums, the same memory as int16: q's paired layout."""
+    for t in range(q.shape[0]):
+        for b in range(q.shape[1] // 32):
+            o, p = 32 * b, PAIRED_BLOCK_BYTES * b
+            for j in range(16):
+                out[t, p + j] = out[t, p + 16 + j] = q[t, o + j]
+                out[t, p + 32 + j] = out[t, p + 48 + j] = q[t, o + 16 + j]
+            for k in range(8):
+                s = np.int32(q[t, o + 4 * k]) + q[t, o + 4 * k + 1] + q[t, o + 4 * k + 2] + q[t, o + 4 * k + 3]
+                lane = p // 2 + 32 + 8 * (k // 4) + k % 4
+                sums[t, lane] = sums[t, lane + 4] = -bias * s
+
+
+def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
+    """numpy reference of Q8Activations.paired."""
+    blocks = q.reshape(q.shape[0], -1, 32)
+    halves = np.concatenate([blocks[..., :16], blocks[..., :16], blocks[..., 16:], blocks[..., 16:]], axis=-1)
+    s = -bias * blocks.reshape(*blocks.shape[:2], 8, 4).astype(np.int32).sum(axis=-1)
+    lanes = np.concatenate([s[..., :4], s[..., :4], s[..., 4:], s[..., 4:]], axis=-1).astype("<i2")
+    return np.concatenate([halves, lanes.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
+
+
 class _QuantizedRows:
     """A quantized form of x (T, cols): the arrays named by a subclass's __slots__, one row per token."""
 
@@ -76,6 +106,16 @@ class Q8Activations(_QuantizedRows):
         ds = np.empty((T, cols // QK), np.float32)
         _quantize_q8(x, q, d, ds)
         return cls(q, d, ds)
+
+    def paired(self, bias: int) -> np.ndarray:
+        """q in the paired layout (PAIRED_BLOCK_BYTES per block), its sums times -bias (|bias| <= 16:
+        int16 holds them)."""
+        if not 0 <= bias <= 16:
+            raise ValueError(f"the paired layout's sums hold a bias of 0-16, not {bias}")
+        T, cols = self.q.shape
+        out = np.empty((T, cols // QK * PAIRED_BLOCK_BYTES), np.int8)
+        _pair_q8(self.q, bias, out, out.view(np.int16))
+        return out
 
     @classmethod
     def quantize_ref(cls, x: np.ndarray) -> "Q8Activations":
@@ -161,19 +201,20 @@ class Activations:
     """Activations x (T, cols) float32, with the forms the kernels read computed once on first
     use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
 
-    __slots__ = ("x", "_q8", "_q8k", "_f16", "_f16_values")
+    __slots__ = ("x", "_q8", "_q8k", "_f16", "_f16_values", "_paired")
 
     def __init__(self, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.x = x[None, :] if x.ndim == 1 else x
         self._q8 = self._q8k = self._f16 = self._f16_values = None
+        self._paired = {}
 
     @classmethod
     def from_q8(cls, q8: Q8Activations) -> "Activations":
         """Activations known only in their Q8 form (gathered from other nodes as blocks): they
         feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
         self = cls.__new__(cls)
-        self.x, self._q8, self._q8k, self._f16, self._f16_values = None, q8, None, None, None
+        self.x, self._q8, self._q8k, self._f16, self._f16_values, self._paired = None, q8, None, None, None, {}
         return self
 
     def take(self, index: np.ndarray) -> "Activations":
@@ -185,6 +226,7 @@ class Activations:
         out._q8k = None if self._q8k is None else self._q8k.take(index)
         out._f16 = None if self._f16 is None else self._f16[index]
         out._f16_values = None if self._f16_values is None else self._f16_values[index]
+        out._paired = {bias: paired[index] for bias, paired in self._paired.items()}
         return out
 
     @property
@@ -196,6 +238,13 @@ class Activations:
         if self._q8 is None:
             self._q8 = Q8Activations.quantize(self.x)
         return self._q8
+
+    def q8_paired(self, bias: int) -> np.ndarray:
+        """q8's values in the paired layout with sums times -bias (the prefill tiles of rows packed in
+        pairs), computed once per bias."""
+        if bias not in self._paired:
+            self._paired[bias] = self.q8.paired(bias)
+        return self._paired[bias]
 
     @property
     def q8k(self) -> Q8KActivations:

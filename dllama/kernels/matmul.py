@@ -24,7 +24,7 @@ from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
-from .simd_q8 import (PACKED, PACKED_TILE, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
+from .simd_q8 import (PACKED, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
                       dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
                       dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8,
                       tile_q5_0_q8, tile_q5_1_q8, tile_q8_0_q8)
@@ -166,10 +166,11 @@ def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out):
     """Over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the format's
     PACKED_TILE), then one strip (the group's rows x 1 token) per token left; the padded last group
-    through a scratch row."""
+    through a scratch row. The tiles read the activations' values from xt (xq, or the paired layout
+    for the formats whose tiles read that: simd_q8.PAIRED_TILES)."""
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
@@ -178,7 +179,7 @@ def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, 
         if g < whole:
             for t in range(0, tiled_tokens, tile_tokens):
                 for i0 in range(0, n, tile_rows):
-                    tile(wp, fmt, g, i0, xq, xd, xs, t, out, col + i0)
+                    tile(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
             for t in range(tiled_tokens, T):
                 strip(wp, fmt, g, xq, xd, xs, t, out, col)
         else:
@@ -191,9 +192,9 @@ def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, 
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out):
     """_mm_quant over packed rows."""
-    _packed_products(_strip, _tile_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out)
+    _packed_products(_strip, _tile_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -245,12 +246,12 @@ def _tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out):
+def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out):
     """A few tokens over packed rows of several spans (packing.py): each of `parts` threads walks its
     groups span by span, so that a span of activations stays in L1 while the groups' spans of weights
     stream past as one sequential read; within a span, tiles of tile_rows x tile_tokens (tile_tokens
     0: none) and a strip per token left, every one's accumulators carried in its own slot from span
-    to span: the bits of whole rows."""
+    to span: the bits of whole rows. The tiles read xt (as _packed_products)."""
     n_spans, n_groups = wp.shape[0], wp.shape[1]
     T = xq.shape[0]
     whole = rows // n
@@ -266,7 +267,7 @@ def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens
                 if g < whole:
                     for t in range(0, tiled, max(tile_tokens, 1)):
                         for i0 in range(0, n, tile_rows):
-                            tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, g * n + i0, s, carry, slot)
+                            tile_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
                             slot += 1
                     for t in range(tiled, T):
                         strip_span(wp, fmt, g, 0, xq, xd, xs, t, out, g * n, s, carry, slot)
@@ -280,14 +281,14 @@ def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out):
-    _spanned_products(_strip_span, _tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out)
+def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out):
+    _spanned_products(_strip_span, _tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
-    _spanned_products(_strip_span_wide, _tile_span, wp, rows, n, 1, 0, parts, fmt, xq, xd, xs, out)
+    _spanned_products(_strip_span_wide, _tile_span, wp, rows, n, 1, 0, parts, fmt, xq, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -378,7 +379,7 @@ def _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
     """_mm_k_quant over packed rows."""
-    _packed_products(_strip_k, _tile_k_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out)
+    _packed_products(_strip_k, _tile_k_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -413,13 +414,14 @@ def _tile_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out):
-    _spanned_products(_strip_k_span, _tile_k_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out)
+    _spanned_products(_strip_k_span, _tile_k_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xq, xd, xs,
+                      out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
-    _spanned_products(_strip_k_span_wide, _tile_k_span, wp, rows, n, 1, 0, parts, fmt, xq, xd, xs, out)
+    _spanned_products(_strip_k_span_wide, _tile_k_span, wp, rows, n, 1, 0, parts, fmt, xq, xq, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -540,13 +542,14 @@ _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.
 
 
 @functools.cache
-def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int], int, bool]:
+def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int], int, bool, int | None]:
     """For packed rows of qtype: (the kernels' format number, their tile shape, rows per group, a
-    K-quant?), worked out once: the enum and dict lookups cost ~5 us a call, and a decode step of
-    SmolLM2 makes ~150 matmuls of 10-100 us."""
+    K-quant?, the bias of the paired layout its tiles read, or None if they read plain Q8 values),
+    worked out once: the enum and dict lookups cost ~5 us a call, and a decode step of SmolLM2 makes
+    ~150 matmuls of 10-100 us."""
     fmt, k_quant = QType(qtype).name.lower(), qtype in _K_KERNEL
     return ((_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], (K_PACKED_TILE if k_quant else PACKED_TILE)[fmt],
-            rows_per_group(qtype), k_quant)
+            rows_per_group(qtype), k_quant, PAIR_BIAS.get(fmt, 0) if fmt in PAIRED_TILES else None)
 
 
 def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None = None,
@@ -568,20 +571,28 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     elif out.dtype != (np.float64 if wide else np.float32):  # the kernels write the accumulators' type
         raise ValueError(f"matmul's out must be {'float64' if wide else 'float32'}, not {out.dtype}")
     if isinstance(w, PackedRows):
-        kernel, tile, n, k_quant = _packed_kernel(w.qtype)
+        kernel, tile, n, k_quant, pair_bias = _packed_kernel(w.qtype)
         a = x.q8k if k_quant else x.q8
         acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)
-        if w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS:  # long rows, span by span
-            if wide:
+        spanned = w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS  # long rows, span by span
+        if wide:  # float64 strips only
+            if spanned:
                 (_mm_k_packed_spans_wide if k_quant else _mm_packed_spans_wide)(
                     w.groups, w.rows, n, get_num_threads(), kernel, *acts, out)
             else:
-                (_mm_k_packed_spans if k_quant else _mm_packed_spans)(
-                    w.groups, w.rows, n, *tile, get_num_threads(), kernel, *acts, out)
-        elif wide:
-            (_mm_k_packed_wide if k_quant else _mm_packed_wide)(w.groups, w.rows, n, kernel, *acts, out)
+                (_mm_k_packed_wide if k_quant else _mm_packed_wide)(w.groups, w.rows, n, kernel, *acts, out)
+        elif k_quant:
+            if spanned:
+                _mm_k_packed_spans(w.groups, w.rows, n, *tile, get_num_threads(), kernel, *acts, out)
+            else:
+                _mm_k_packed(w.groups, w.rows, n, *tile, kernel, *acts, out)
         else:
-            (_mm_k_packed if k_quant else _mm_packed)(w.groups, w.rows, n, *tile, kernel, *acts, out)
+            # the values the tiles read: the paired layout is made only when there are tiles
+            xt = x.q8_paired(pair_bias) if pair_bias is not None and x.tokens >= tile[1] else a.q
+            if spanned:
+                _mm_packed_spans(w.groups, w.rows, n, *tile, get_num_threads(), kernel, a.q, xt, a.d, a.ds, out)
+            else:
+                _mm_packed(w.groups, w.rows, n, *tile, kernel, a.q, xt, a.d, a.ds, out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8

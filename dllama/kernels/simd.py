@@ -113,6 +113,8 @@ _X86_AVX512 = _X86_AVX2 and "+avx512vl" in _HOST_FEATURES and "DLLAMA_AVX2_ONLY"
 # without maddubs' 16-bit saturation, and adds into an accumulator: llama.cpp uses it where present.
 # The integer sums are the same either way.
 X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
+# Without VNNI an x86 quad dot is maddubs + madd, unsigned x signed: signed weights cost two psigns more
+X86_MADDUBS = _X86_AVX2 and not X86_VNNI
 # AVX-512 gives 32 vector registers (16 with AVX2): room for a prefill tile of 16 accumulators
 X86_32_REGISTERS = _X86_AVX512
 X86_16_REGISTERS = _X86_AVX2 and not _X86_AVX512  # (AVX2 without AVX-512: tiles chosen for it)
@@ -399,7 +401,7 @@ def block_intrinsics(emit_dots, fmt: str, suffix: str, sums_type: ir.Type, tile_
 
 
 def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pack: int,
-                      tile_shape: tuple[int, int], block_bytes: int):
+                      tile_shape: tuple[int, int], block_bytes: int, emit_tile=None):
     """The intrinsics (strip, strip_wide, tile, strip_span, strip_span_wide, tile_span) of one weight
     format in rows packed by `pack` (kernels/packing.py: wp[s, g] holds span s of rows pack*g ..
     pack*g+pack-1, block after block, each block_bytes per row), named strip_<fmt>_<suffix>, ...:
@@ -414,9 +416,12 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
     emit_packed(builder, acc type, group pointer, i0, rows, activation row pointers, Span) ->
     totals[row][token] writes the IR; each pair summed as by block_intrinsics' dot (its own
     accumulators, the one-pair order), so the bits do not depend on the layout either; the layout
-    makes a group of rows one sequential stream."""
+    makes a group of rows one sequential stream.
+    emit_tile: emit_packed's counterpart for the tiles (default emit_packed), where they read their
+    activations in another layout (their xq argument then holds that layout's rows)."""
 
     group_bytes = pack * block_bytes
+    emit_tile = emit_tile or emit_packed
 
     def spans_of(context, builder, wp_type, wp, first=None):
         """The Span of a group's blocks in packed rows wp (spans, groups, span bytes): all its spans,
@@ -428,14 +433,14 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
             return Span(_ZERO, builder.extract_value(a.shape, 0), per_span, span_bytes)
         return Span(first, builder.add(first, ir.Constant(I64, 1)), per_span, span_bytes)
 
-    def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
+    def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str, emit=emit_packed):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):
             def codegen(context, builder, signature, args):
                 ty = signature.args
                 x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
                 i0 = context.cast(builder, args[2], ty[2], types.intp)
-                totals = emit_packed(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows,
-                                     spans_of(context, builder, ty[0], args[0]))
+                totals = emit(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows,
+                              spans_of(context, builder, ty[0], args[0]))
                 _store_group(context, builder, ty, args, totals)
                 return context.get_dummy_value()
 
@@ -444,7 +449,7 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
         typer.__name__ = name
         return intrinsic(typer)
 
-    def build_span(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str):
+    def build_span(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str, emit=emit_packed):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
             def codegen(context, builder, signature, args):
                 ty = signature.args
@@ -453,7 +458,7 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
                 at = context.cast(builder, args[11], ty[11], types.intp)
                 span.carry = builder.bitcast(row_ptr(context, builder, ty[10], args[10], at), acc_t.as_pointer())
                 i0 = context.cast(builder, args[2], ty[2], types.intp)
-                totals = emit_packed(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows, span)
+                totals = emit(builder, acc_t, _group_ptr(context, builder, ty, args), i0, n_rows, x_rows, span)
                 assert span.carried <= CARRIED_PER_ROW * n_rows * n_tokens, "a carry slot is too short"
                 _store_group(context, builder, ty, args, totals)
                 return context.get_dummy_value()
@@ -464,10 +469,10 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
         return intrinsic(typer)
 
     return (build(pack, 1, F32, f"strip_{fmt}_{suffix}"), build(pack, 1, F64, f"strip_{fmt}_{suffix}_wide"),
-            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed"),
+            build(*tile_shape, F32, f"tile_{fmt}_{suffix}_packed", emit_tile),
             build_span(pack, 1, F32, f"strip_span_{fmt}_{suffix}"),
             build_span(pack, 1, F64, f"strip_span_{fmt}_{suffix}_wide"),
-            build_span(*tile_shape, F32, f"tile_span_{fmt}_{suffix}"))
+            build_span(*tile_shape, F32, f"tile_span_{fmt}_{suffix}", emit_tile))
 
 
 def _group_ptr(context, builder, ty, args):

@@ -11,7 +11,9 @@ from functools import partial
 from llvmlite import ir
 
 from ..quant import FORMATS, QType
-from .simd import (F16, F32, F64, I8, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_VNNI, bits_to_bytes,
+from .activations import PAIRED_BLOCK_BYTES
+from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
+                   bits_to_bytes,
                    block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque,
                    packed_intrinsics, quad_dot, splat, vec)
 
@@ -27,6 +29,15 @@ TILE = (TILE_ROWS, TILE_TOKENS)
 # stored, Q8_0's and IQ4_NL's values plus 128), and each lane of a block dot starts from -bias * (its
 # four activations' sum), computed once per activation block for every row: exact integers either way
 _BIAS = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "iq4_nl": 128}
+# With maddubs (AVX2 without VNNI) the same for the packed rows of Q4_0 and Q5_0 (biased, their quants
+# times an activation stay within maddubs' int16), where a signed weight's quad dot costs two psigns
+# more. The prefill tiles (one pair of rows on AVX2) load the bias sums with the activations' paired
+# layout, which holds them times -PAIR_BIAS[fmt] (activations.py); the decode strips (four pairs) of
+# _STRIP_BIAS work them out per activation block. Measured on Zen 3 (1 core, 2048-8192 x 2048, medians
+# of interleaved processes against the same code without): Q4_0 strips 1.18x, Q5_0's 0.95x (so not
+# them); Q5_0 tiles 1.0-1.06x with their sums.
+PAIR_BIAS = {"q4_0": 8, "q5_0": 16} if X86_MADDUBS else {}
+_STRIP_BIAS = ("q4_0",) if X86_MADDUBS else ()
 
 
 def block_format(fmt: str):
@@ -148,15 +159,20 @@ _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _X_HALVES = (list(range(16)) * 2, list(range(16, 32)) * 2)
 
 
-def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, span, block_stride: int):
+def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, span, block_stride: int,
+                    paired: bool = False):
     """The dots of n_rows (even) rows packed field by field (`fields`: pointers to the first row's
     fields of the group's first block) with activation rows: rows 2p and 2p+1 as one 32-byte load of
     their nibbles. Its low nibbles against the activations' values 0-15 (twice) give row 2p's GGML
     lanes 0-3 and row 2p+1's lanes 0-3 in one quad dot, the high nibbles against values 16-31 their
     lanes 4-7: every lane gets the same operations as in the 8-lane dot (the same bits), with the
     unpacking, the dots and the scales of two rows in the instructions of one. The rows' scales (and
-    mins) are one vector."""
-    biased = X86_VNNI and fmt in _BIAS
+    mins) are one vector.
+    paired: the activation rows are in the paired layout (activations.Q8Activations.paired): those
+    halves, then -PAIR_BIAS[fmt] times each lane's four values' sum, loaded instead of worked out per
+    token (a prefill tile: one pair of rows on AVX2, where each token's shuffles cost as much as its
+    dots)."""
+    biased = (X86_VNNI and fmt in _BIAS) or (fmt in PAIR_BIAS if paired else fmt in _STRIP_BIAS)
     n_pairs, tokens = n_rows // 2, range(len(x_rows))
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {}
@@ -192,14 +208,25 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append((low, high))
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
-            xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
-            x_halves = [builder.shuffle_vector(xq, xq, const_vec(I32, lanes)) for lanes in _X_HALVES]
             starts = (None, None)
-            if biased:  # -bias * the sum of each lane's four activations, in the pairs' lane order
-                start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES),
-                                    quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True))
-                starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
-                          for h in (0, 1)]
+            zero_i32 = ir.Constant(vec(I32, LANES), [0] * LANES)
+            bias_vec = const_vec(I8, [_BIAS.get(fmt, 0)] * 32)
+            if paired:
+                at = builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))
+                x_halves = [load_at(builder, xq_ptr, builder.add(at, ir.Constant(I64, 32 * h)), I8, 32) for h in (0, 1)]
+                if fmt in PAIR_BIAS:  # the sums times -bias, as int16 after the halves
+                    starts = [builder.sext(load_at(builder, xq_ptr, builder.add(at, ir.Constant(I64, 64 + 16 * h)),
+                                                   I16, LANES), vec(I32, LANES)) for h in (0, 1)]
+                elif biased:  # (VNNI) a half's quad dot with the bias is already in the pairs' lane order
+                    starts = [builder.sub(zero_i32, quad_dot(builder, bias_vec, half, w_unsigned=True))
+                              for half in x_halves]
+            else:
+                xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
+                x_halves = [builder.shuffle_vector(xq, xq, const_vec(I32, lanes)) for lanes in _X_HALVES]
+                if biased:  # -bias * the sum of each lane's four activations, in the pairs' lane order
+                    start = builder.sub(zero_i32, quad_dot(builder, bias_vec, xq, w_unsigned=True))
+                    starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
+                              for h in (0, 1)]
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             scales = builder.fmul(d_w, splat(builder, builder.load(builder.gep(xd_ptr, [b])), n_rows))
             for p, pair in enumerate(nibbles):
@@ -239,13 +266,15 @@ def group_fields(builder, fmt: str, group_ptr, i0, pack: int) -> dict:
     return fields
 
 
-def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, span, fmt: str, pack: int):
+def _emit_packed(builder, acc_t: ir.Type, group_ptr, i0, n_rows: int, x_rows, span, fmt: str, pack: int,
+                 paired: bool = False):
     """The dots of rows i0 .. i0+n_rows-1 of a group of `pack` rows packed field by field (group_ptr:
-    the group's first byte) with activation rows."""
+    the group's first byte) with activation rows (paired: in the layout _emit_pair_dots reads)."""
     fields = group_fields(builder, fmt, group_ptr, i0, pack)
     stride = pack * block_format(fmt).block_bytes
     if fmt in _NIBBLE_PAIRS and n_rows % 2 == 0:
-        return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, span, stride)
+        return _emit_pair_dots(builder, fmt, acc_t, fields, n_rows, x_rows, span, stride, paired)
+    assert not paired, "only the nibble formats' pairs of rows read the paired layout"
     sizes = dict(block_format(fmt).fields)
     rows = [{name: builder.gep(ptr, [ir.Constant(I64, sizes[name] * i)]) for name, ptr in fields.items()}
             for i in range(n_rows)]
@@ -278,6 +307,10 @@ _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _Q4_1_TILE), "iq4_nl": (8, _PAI
 PACK_ROWS = {fmt: rows for fmt, (rows, _) in _PACKING.items()}
 PACKED_TILE = {fmt: tile for fmt, (_, tile) in _PACKING.items()}
 assert all(rows % tile[0] == 0 for rows, tile in _PACKING.values())
+# The tiles of the nibble formats read the activations in the paired layout (PAIRED_TILES)
+PAIRED_TILES = _NIBBLE_PAIRS
+assert all(tile[0] % 2 == 0 for fmt, (_, tile) in _PACKING.items() if fmt in PAIRED_TILES)
 PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, tile,
-                                 block_format(fmt).block_bytes)
+                                 block_format(fmt).block_bytes,
+                                 partial(_emit_packed, fmt=fmt, pack=rows, paired=True) if fmt in PAIRED_TILES else None)
           for fmt, (rows, tile) in _PACKING.items()}
