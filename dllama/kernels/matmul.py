@@ -24,10 +24,10 @@ from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
-from .simd_q8 import (PACKED, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8,
-                      dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8,
-                      dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8,
-                      tile_q5_0_q8, tile_q5_1_q8, tile_q8_0_q8)
+from .simd_q8 import (PACKED, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8,
+                      dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8,
+                      dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8,
+                      tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8, tile_q5_1_q8, tile_q8_0_q8)
 from .simd_q8k import (K_PACKED_TILE, PACKED_K, dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide,
                        dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k, tile_q6_k_q8k)
 

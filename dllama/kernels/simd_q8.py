@@ -13,9 +13,8 @@ from llvmlite import ir
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   bits_to_bytes,
-                   block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at, opaque,
-                   packed_intrinsics, quad_dot, splat, vec)
+                   bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at,
+                   opaque, packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # A tile of the prefill GEMM: each weight block unpacked once for TILE_TOKENS tokens, each activation
@@ -312,5 +311,5 @@ PAIRED_TILES = _NIBBLE_PAIRS
 assert all(tile[0] % 2 == 0 for fmt, (_, tile) in _PACKING.items() if fmt in PAIRED_TILES)
 PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, tile,
                                  block_format(fmt).block_bytes,
-                                 partial(_emit_packed, fmt=fmt, pack=rows, paired=True) if fmt in PAIRED_TILES else None)
+                                 emit_tile=partial(_emit_packed, fmt=fmt, pack=rows, paired=fmt in PAIRED_TILES))
           for fmt, (rows, tile) in _PACKING.items()}
