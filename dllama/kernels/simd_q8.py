@@ -35,7 +35,7 @@ _BIAS = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "iq4_nl": 128}
 # _STRIP_BIAS work them out per activation block. Measured on Zen 3 (1 core, 2048-8192 x 2048, medians
 # of interleaved processes against the same code without): Q4_0 strips 1.18x, Q5_0's 0.95x (so not
 # them); Q5_0 tiles 1.0-1.06x with their sums.
-PAIR_BIAS = {"q4_0": 8, "q5_0": 16} if X86_MADDUBS else {}
+PAIR_BIAS = {fmt: _BIAS[fmt] for fmt in ("q4_0", "q5_0")} if X86_MADDUBS else {}
 _STRIP_BIAS = ("q4_0",) if X86_MADDUBS else ()
 
 
@@ -186,6 +186,8 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
         parts = [builder.shuffle_vector(vector, vector, const_vec(I32, range(16 * h, 16 * h + 16))) for h in (0, 1)]
         return concat(builder, *(f(part) for part in parts))
 
+    zero_i32 = ir.Constant(vec(I32, LANES), [0] * LANES)
+    bias_vec = const_vec(I8, [_BIAS.get(fmt, 0)] * 32)
     with span.loop(builder, block_stride) as (b, block):
         d_w = builder.fpext(load_at(builder, fields["d"], block, F16, n_rows), vec(F32, n_rows))
         m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
@@ -208,8 +210,6 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
             nibbles.append((low, high))
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             starts = (None, None)
-            zero_i32 = ir.Constant(vec(I32, LANES), [0] * LANES)
-            bias_vec = const_vec(I8, [_BIAS.get(fmt, 0)] * 32)
             if paired:
                 at = builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))
                 x_halves = [load_at(builder, xq_ptr, builder.add(at, ir.Constant(I64, 32 * h)), I8, 32) for h in (0, 1)]
