@@ -52,17 +52,19 @@ class LogitSummary:
 
     ids: np.ndarray  # int64 candidate token ids (global ids), best first
     logits: np.ndarray  # float32 their logits (after repetition penalty)
-    lse: float  # log-sum-exp of logits/temperature over the whole slice (temperature 1 if greedy)
+    # log-sum-exp of logits/temperature over the whole slice (temperature 1 if greedy); None where
+    # nothing needs it (greedy, no target): 49k exps cost as much as a small matmul per sequence
+    lse: float | None
     target_logit: float | None = None  # logit of the target token, if this slice owns it
 
     def to_wire(self) -> dict:
         return {"ids": self.ids.astype(np.int64).tobytes(), "logits": self.logits.astype(np.float32).tobytes(),
-                "lse": float(self.lse), "target": self.target_logit}
+                "lse": None if self.lse is None else float(self.lse), "target": self.target_logit}
 
     @classmethod
     def from_wire(cls, d: dict) -> "LogitSummary":
-        return cls(np.frombuffer(d["ids"], np.int64), np.frombuffer(d["logits"], np.float32), float(d["lse"]),
-                   d["target"])
+        return cls(np.frombuffer(d["ids"], np.int64), np.frombuffer(d["logits"], np.float32),
+                   None if d["lse"] is None else float(d["lse"]), d["target"])
 
 
 def apply_repeat_penalty(logits: np.ndarray, vocab_start: int, recent: list[int], penalty: float) -> None:
@@ -84,7 +86,8 @@ def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, rece
         apply_repeat_penalty(logits, vocab_start, list(recent), params.repeat_penalty)
     k = min(params.n_candidates, logits.shape[0])
     top = np.array([int(np.argmax(logits))]) if k == 1 else top_k(logits, k)  # best first, ties by id
-    lse = log_sum_exp(logits, params.temperature if not params.greedy else 1.0)
+    needs_lse = not params.greedy or target is not None
+    lse = log_sum_exp(logits, 1.0 if params.greedy else params.temperature) if needs_lse else None
     target_logit = None
     if target is not None and vocab_start <= target < vocab_start + logits.shape[0]:
         target_logit = float(logits[target - vocab_start])
@@ -92,6 +95,8 @@ def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, rece
 
 
 def global_lse(summaries: list[LogitSummary]) -> float:
+    if any(s.lse is None for s in summaries):
+        raise ValueError("a greedy summary without a target carries no log-sum-exp")
     lses = np.array([s.lse for s in summaries])
     peak = lses.max()
     return float(peak + np.log(np.exp(lses - peak).sum()))

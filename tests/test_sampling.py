@@ -236,3 +236,15 @@ def test_summary_wire_round_trip():
     np.testing.assert_array_equal(back.logits, s.logits)
     assert back.lse == s.lse and back.target_logit == s.target_logit
     assert s.ids.min() >= 1000 and len(s.ids) == 8
+
+
+def test_greedy_summaries_skip_the_log_sum_exp_unless_a_target_asks():
+    """Greedy picks need only the best candidate: no 49k exps per sequence and token, and no
+    probability can be made from such summaries (an error, not a wrong number)."""
+    greedy = SamplingParams(temperature=0.0)
+    s = summarize(logits_row(7), 0, greedy)
+    assert s.lse is None and LogitSummary.from_wire(s.to_wire()).lse is None
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        global_lse([s])
+    with_target = summarize(logits_row(7), 0, greedy, target=3)
+    assert with_target.lse == pytest.approx(log_sum_exp_ref(logits_row(7)), rel=1e-14)

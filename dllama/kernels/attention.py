@@ -8,7 +8,7 @@ polynomial (ops.expf), the softmax sums groups of 8 in double.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
 from . import CACHE
@@ -128,25 +128,27 @@ def _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, laye
         v_cache[head + d * n_ctx + p] = f16_bits(v_new[t, h, d])
 
 
-ATTENTION_TOKENS = 16  # tokens per job of one head (see _attention)
+ATTENTION_TOKENS = 16  # tokens per job of one head, at most (see _attention)
+JOBS_PER_THREAD = 8  # at least, where the tokens allow: whole jobs split unevenly between threads
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, layer, Hq, D, kv_of_head, scale,
-               window, out):
+def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, layer, Hq, D, kv_of_head, scale,
+               window, threads, out):
     """Causal attention of several sequences' queries, each against its own cache (over the last
     `window` positions if window > 0), after writing their new keys and values into it, then
     making the copies: each row of copies (k, v addresses and capacity of the source cache, the
     same of the destination, n) gives the destination the source's first n positions.
-    Sequence j: tokens offsets[j]..offsets[j+1]-1 of q16 (T, Hq, D) f16 bits, at positions
-    starts[j]..; its cache at addresses k_base[j] / v_base[j]: K (layers, Hkv, ctx[j], D) and
-    transposed V (layers, Hkv, D, ctx[j]), f16 bits, of which layer `layer` is read. k_new, v_new
-    (T, Hkv, D) f32: the tokens' keys and values, stored first (f16, rounded to nearest even), or
-    none (0 rows). out (T, Hq, D) f32. The caches are addressed by offsets from their starts (a
+    Sequence j: tokens offsets[j]..offsets[j+1]-1 of q (T, Hq * D) f32 (rounded to f16 here, as
+    llama.cpp rounds its queries), at positions starts[j]..; its cache at addresses k_base[j] /
+    v_base[j]: K (layers, Hkv, ctx[j], D) and transposed V (layers, Hkv, D, ctx[j]), f16 bits, of
+    which layer `layer` is read. k_new, v_new (T, Hkv, D) f32: the tokens' keys and values, stored
+    first (f16, rounded to nearest even), or none (0 rows). threads: how many run the jobs (they
+    are sized for it). out (T, Hq, D) f32. The caches are addressed by offsets from their starts (a
     view per row would cost an atomic reference count update in the parallel loop). Each (token,
     head) is computed as llama.cpp computes a single token: the result does not depend on how
     the tokens were batched, nor on the other sequences."""
-    T = q16.shape[0]
+    T = q.shape[0]
     Hkv = k_new.shape[1]
     sequence = np.empty(T, np.int64)
     for j in range(len(starts)):
@@ -176,19 +178,23 @@ def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, 
     # (token-major gave one thread the early tokens, the other the late ones, which see more
     # positions), and a job's scratch rows are allocated once for its tokens, not per (token, head)
     # (numba's allocation counters are shared by the threads). A 128-token prefill's attention
-    # (32 heads) at 2 threads: 7.7-8.1 ms before, slower than 1 thread's 6.6; now 3.7-6.6 ms
-    chunks = (T + ATTENTION_TOKENS - 1) // ATTENTION_TOKENS
+    # (32 heads) at 2 threads: 7.7-8.1 ms before, slower than 1 thread's 6.6; now 3.7-6.6 ms.
+    # Fewer tokens per job where they would give each thread few jobs: 8 decoding sequences of
+    # SmolLM2 (9 heads) were 9 jobs of 8 tokens, 5 for one thread and 4 for the other
+    per_job = min(ATTENTION_TOKENS, max(1, T * Hq // (JOBS_PER_THREAD * threads)))
+    chunks = (T + per_job - 1) // per_job
     longest = 0
     for j in range(len(starts)):
         longest = max(longest, ctx[j])
     main = D - D % 32  # the strips' part of a key; the rest added by f16_tail
     for job in prange(Hq * chunks):
-        h, first = job // chunks, job % chunks * ATTENTION_TOKENS
+        h, first = job // chunks, job % chunks * per_job
         weights = np.empty((1, longest), np.float32)  # scores, then the softmax
         probs = np.empty((1, longest), np.float32)  # the softmax rounded to f16 (its values)
         query = np.empty((1, D), np.float32)  # the query's f16 values
+        query16 = np.empty(D, np.uint16)  # ... and bits (f16_tail's)
         result = np.empty((1, D), np.float32)
-        for t in range(first, min(T, first + ATTENTION_TOKENS)):
+        for t in range(first, min(T, first + per_job)):
             j = sequence[t]
             kv, n_ctx = kv_of_head[h], ctx[j]
             n = starts[j] + t - offsets[j] + 1
@@ -197,13 +203,13 @@ def _attention(q16, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, 
             head = (layer * Hkv + kv) * n_ctx * D
             keys = _f16_rows_at(k_base[j] + 2 * head, n_ctx, D)  # (positions, D)
             values = _f16_rows_at(v_base[j] + 2 * head, D, n_ctx)  # transposed: (D, positions)
-            q_at = (t * Hq + h) * D
             for i in range(D):
-                query[0, i] = f16_at(q16, q_at + i)
+                query16[i] = f16_bits(q[t, h * D + i])
+                query[0, i] = f16_at(query16, i)
             weights[0, :n_pad] = 0.0
             _dots_in_strips(keys, lo, n, query, main, weights)
             for s in range(lo, n):
-                weights[0, s] = f16_tail(weights[0, s], keys, s * D, q16, q_at, main, D) * scale
+                weights[0, s] = f16_tail(weights[0, s], keys, s * D, query16, 0, main, D) * scale
             _softmax_row(weights[0], lo, n)
             probs[0, :n_pad] = 0.0
             for s in range(lo, n):
@@ -266,9 +272,9 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, spans: Cac
         k = v = np.empty((0, spans.caches[0][0].shape[1], D), np.float32)
     out = np.empty((T, Hq, D), np.float32)
     scale = np.float32(1.0) / np.sqrt(np.float32(D)) if scale is None else np.float32(scale)
-    _attention(q.astype(np.float16).view(np.uint16).reshape(T, Hq * D), np.ascontiguousarray(k, np.float32),
+    _attention(np.ascontiguousarray(q, np.float32).reshape(T, Hq * D), np.ascontiguousarray(k, np.float32),
                np.ascontiguousarray(v, np.float32), spans.k_base, spans.v_base, spans.capacities, spans.starts,
-               spans.offsets, spans.copies, layer, Hq, D, kv_of_head, scale, window, out)
+               spans.offsets, spans.copies, layer, Hq, D, kv_of_head, scale, window, get_num_threads(), out)
     return out
 
 
