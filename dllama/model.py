@@ -239,6 +239,10 @@ class ShardModel:
         self.kv_of_head = np.arange(*shard.q_heads, dtype=np.int64) // g - shard.kv_heads[0]
         budget = round_capacity(ctx_size) * slots if kv_budget is None else kv_budget
         self.kv = KVCache(config, shard.n_kv_heads, slots, ctx_size, budget)
+        # per layer, worked out once (a decode step of a small model spends ~10 us a layer asking)
+        self.ropes = list(dict.fromkeys(config.rope_of_layer(i) for i in range(config.n_layers)))  # (base, scaling)
+        self.rope_of_layer = [self.ropes.index(config.rope_of_layer(i)) for i in range(config.n_layers)]
+        self.window_of_layer = [config.sliding_window if config.is_local(i) else 0 for i in range(config.n_layers)]
 
     async def forward(self, x: np.ndarray, spans: list[Span], comm: Collectives = ALONE,
                       copies: list[tuple[int, int, int]] = ()) -> np.ndarray:
@@ -271,7 +275,7 @@ class ShardModel:
                             [s.n for s in spans], [((kv.k[src], kv.v[src]), (kv.k[dst], kv.v[dst]), n)
                                                    for src, dst, n in copies]) if nq else None
         project = self.projection.project
-        angles = {}  # RoPE's cos/sin tables of the tokens' positions, by (base, scaling)
+        angles = {}  # RoPE's cos/sin tables of the tokens' positions, by index in self.ropes
         gate = gelu_mul if cfg.activation == "gelu" else silu_mul
         for i, w in enumerate(self.weights.layers):
             # attention over this node's heads
@@ -289,14 +293,15 @@ class ShardModel:
                 if w.q_norm is not None:  # Qwen3, Gemma 3: each head RMS-normed before RoPE
                     q = rmsnorm(q.reshape(T * nq, hd), w.q_norm, cfg.norm_eps).reshape(T, nq, hd)
                     k = rmsnorm(k.reshape(T * nkv, hd), w.k_norm, cfg.norm_eps).reshape(T, nkv, hd)
-                rope = cfg.rope_of_layer(i)  # (base, scaling): the same tables for every layer that shares it
+                rope = self.rope_of_layer[i]  # the same tables for every layer that shares a (base, scaling)
                 if rope not in angles:
-                    angles[rope] = rope_angles(pos, cfg.rope_dims, rope[0], self.weights.rope_freq_factors, rope[1])
+                    base, scaling = self.ropes[rope]
+                    angles[rope] = rope_angles(pos, cfg.rope_dims, base, self.weights.rope_freq_factors, scaling)
                 rotate(q, angles[rope], cfg.rope_neox)
                 rotate(k, angles[rope], cfg.rope_neox)
                 if cfg.attn_q_scale:  # Gemma scales Q, not the scores
                     q *= np.float32(cfg.attn_q_scale)
-                scale, window = 1.0 if cfg.attn_q_scale else None, cfg.sliding_window if cfg.is_local(i) else 0
+                scale, window = 1.0 if cfg.attn_q_scale else None, self.window_of_layer[i]
                 # each sequence's keys and values into its own cache, its queries against it
                 att = attend(q, k, v, caches, i, self.kv_of_head, scale, window).reshape(T, nq * hd)
             else:

@@ -87,6 +87,14 @@ class _QuantizedRows:
         for name, a in zip(self.__slots__, arrays, strict=True):
             setattr(self, name, np.ascontiguousarray(a))
 
+    @classmethod
+    def _of_new(cls, *arrays):
+        """From arrays just made C-contiguous (a quantizer's): no checks, a decode step makes ~150."""
+        self = cls.__new__(cls)
+        for name, a in zip(self.__slots__, arrays):
+            setattr(self, name, a)
+        return self
+
     def take(self, index: np.ndarray):
         """The rows `index`: each row is quantized on its own, so they are the same bits as anew."""
         return type(self)(*(getattr(self, name)[index] for name in self.__slots__))
@@ -105,7 +113,7 @@ class Q8Activations(_QuantizedRows):
         d = np.empty((T, cols // QK), np.float32)
         ds = np.empty((T, cols // QK), np.float32)
         _quantize_q8(x, q, d, ds)
-        return cls(q, d, ds)
+        return cls._of_new(q, d, ds)
 
     def paired(self, bias: int) -> np.ndarray:
         """q in the paired layout (PAIRED_BLOCK_BYTES per block), its sums times -bias (|bias| <= 16:
@@ -181,7 +189,7 @@ class Q8KActivations(_QuantizedRows):
         d = np.empty((T, cols // 256), np.float32)
         sums = np.empty((T, cols // 16), np.int32)
         _quantize_q8_k(x, q, d, sums)
-        return cls(q, d, sums)
+        return cls._of_new(q, d, sums)
 
     @classmethod
     def quantize_ref(cls, x: np.ndarray) -> "Q8KActivations":

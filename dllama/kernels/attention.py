@@ -7,6 +7,9 @@ polynomial (ops.expf), the softmax sums groups of 8 in double.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
@@ -247,12 +250,20 @@ class CacheSpans:
         if any(not 0 <= n <= min(src[0].shape[2], dst[0].shape[2]) or src[0].shape[:2] != dst[0].shape[:2]
                for src, dst, n in copies):
             raise ValueError("a copy of more positions than its caches hold, or between caches of other shapes")
-        self.capacities = np.array([k.shape[2] for k in k_caches], np.int64)
+        self.threads = get_num_threads()  # (asked once for a pass's layers: ~3 us a call)
+        capacities = [k.shape[2] for k in k_caches]
+        if any(start + n > capacity for start, n, capacity in zip(starts, counts, capacities, strict=True)):
+            raise ValueError("a sequence's tokens run past its cache")
+        # (in Python, not numpy: a decode step's few numbers cost less so, and it is made every step)
+        self.capacities = np.array(capacities, np.int64)
         self.layers = min((k.shape[0] for k in k_caches), default=0)
         self.starts = np.array(starts, np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-        if np.any(self.starts + np.diff(self.offsets) > self.capacities):
-            raise ValueError("a sequence's tokens run past its cache")
+        self.offsets = np.array([0, *itertools.accumulate(counts)], np.int64)
+
+
+@functools.cache
+def _default_scale(D: int) -> np.float32:
+    return np.float32(1.0) / np.sqrt(np.float32(D))
 
 
 def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, spans: CacheSpans, layer: int,
@@ -271,10 +282,10 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, spans: Cac
     if k is None:
         k = v = np.empty((0, spans.caches[0][0].shape[1], D), np.float32)
     out = np.empty((T, Hq, D), np.float32)
-    scale = np.float32(1.0) / np.sqrt(np.float32(D)) if scale is None else np.float32(scale)
+    scale = _default_scale(D) if scale is None else np.float32(scale)
     _attention(np.ascontiguousarray(q, np.float32).reshape(T, Hq * D), np.ascontiguousarray(k, np.float32),
                np.ascontiguousarray(v, np.float32), spans.k_base, spans.v_base, spans.capacities, spans.starts,
-               spans.offsets, spans.copies, layer, Hq, D, kv_of_head, scale, window, get_num_threads(), out)
+               spans.offsets, spans.copies, layer, Hq, D, kv_of_head, scale, window, spans.threads, out)
     return out
 
 

@@ -560,7 +560,7 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     wide: accumulate and return float64, so that partial sums over column slices add up to the
     whole product up to float64 rounding (the exact reduction mode of the cluster)."""
     if not isinstance(x, Activations):
-        if np.ndim(x) == 1:
+        if x.ndim == 1:
             return matmul(w, qtype, Activations(x), None if out is None else out[None, :], wide)[0]
         x = Activations(x)
     if out is None:
