@@ -19,8 +19,8 @@ from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, Activations, Q8Activ
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_ref
 from dllama.kernels.packing import PACKABLE
-from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref, rope,
-                                rope_ref, silu_mul, silu_mul_ref, softcap)
+from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref,
+                                rope, rope_ref, silu_mul, silu_mul_ref, softcap)
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
@@ -206,6 +206,25 @@ def test_q8_paired_layout_equals_reference_exactly():
         np.testing.assert_array_equal(sums[2, 3, :4], -bias * a.q[2, 96:112].reshape(4, 4).astype(np.int32).sum(-1))
     with pytest.raises(ValueError, match="bias"):
         a.paired(128)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_q8_quantized_and_paired_in_one_pass_equal_the_two_passes(tokens):
+    """Activations.q8_paired makes both forms in one kernel when it comes first, the layout alone
+    from the Q8 form when that came first: the same bits either way, for every bias."""
+    x = dict(_q8_inputs())["gaussian"][:tokens]
+    for bias in (0, 8, 16):
+        fused = Activations(x)
+        layout = fused.q8_paired(bias)
+        alone = Q8Activations.quantize(x)
+        np.testing.assert_array_equal(layout, pair_q8_ref(alone.q, bias))
+        for name in ("q", "d", "ds"):
+            np.testing.assert_array_equal(getattr(fused.q8, name), getattr(alone, name))
+        later = Activations(x)
+        later.q8
+        np.testing.assert_array_equal(later.q8_paired(bias), layout)
+    with pytest.raises(ValueError, match="bias"):
+        Activations(x).q8_paired(17)
 
 
 # ------------------------------------------------------------------ rmsnorm

@@ -52,19 +52,37 @@ def _quantize_q8(x, xq, xd, xds):
 PAIRED_BLOCK_BYTES = 96
 
 
-@njit(nogil=True, cache=CACHE)
-def _pair_q8(q, bias, out, sums):
-    """out (T, blocks * PAIRED_BLOCK_BYTES) int8 and sums, the same memory as int16: q's paired layout."""
-    for t in range(q.shape[0]):
-        for b in range(q.shape[1] // 32):
-            o, p = 32 * b, PAIRED_BLOCK_BYTES * b
-            for j in range(16):
-                out[t, p + j] = out[t, p + 16 + j] = q[t, o + j]
-                out[t, p + 32 + j] = out[t, p + 48 + j] = q[t, o + 16 + j]
-            for k in range(8):
-                s = np.int32(q[t, o + 4 * k]) + q[t, o + 4 * k + 1] + q[t, o + 4 * k + 2] + q[t, o + 4 * k + 3]
-                lane = p // 2 + 32 + 8 * (k // 4) + k % 4
-                sums[t, lane] = sums[t, lane + 4] = -bias * s
+@njit(inline="always", nogil=True, cache=CACHE)
+def _pair_q8_row(q, q64, bias, out64, sums, t):
+    """Row t of the layout: the halves copied 8 bytes at a time (q64, out64: q's and out's bytes as
+    uint64: a byte loop of 64 stores a block did not vectorize), then the lanes' sums."""
+    for b in range(q.shape[1] // 32):
+        o, p = 4 * b, (PAIRED_BLOCK_BYTES // 8) * b
+        for half in range(2):
+            for j in range(2):
+                out64[t, p + 4 * half + j] = out64[t, p + 4 * half + 2 + j] = q64[t, o + 2 * half + j]
+        for k in range(8):
+            at = 32 * b + 4 * k
+            s = np.int32(q[t, at]) + q[t, at + 1] + q[t, at + 2] + q[t, at + 3]
+            lane = (PAIRED_BLOCK_BYTES // 2) * b + 32 + 8 * (k // 4) + k % 4
+            sums[t, lane] = sums[t, lane + 4] = -bias * s
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _pair_q8(q, bias, out):
+    """out (T, blocks * PAIRED_BLOCK_BYTES) int8: q's paired layout."""
+    q64, out64, sums = q.view(np.uint64), out.view(np.uint64), out.view(np.int16)
+    for t in prange(q.shape[0]):
+        _pair_q8_row(q, q64, bias, out64, sums, t)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _quantize_q8_paired(x, xq, xd, xds, bias, out):
+    """_quantize_q8 and _pair_q8 in one pass over the tokens (one call, each row still in cache)."""
+    q64, out64, sums = xq.view(np.uint64), out.view(np.uint64), out.view(np.int16)
+    for t in prange(x.shape[0]):
+        _quantize_q8_row(x, xq, xd, xds, t)
+        _pair_q8_row(xq, q64, bias, out64, sums, t)
 
 
 def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
@@ -74,6 +92,12 @@ def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
     s = -bias * blocks.reshape(*blocks.shape[:2], 8, 4).astype(np.int32).sum(axis=-1)
     lanes = np.concatenate([s[..., :4], s[..., :4], s[..., 4:], s[..., 4:]], axis=-1).astype("<i2")
     return np.concatenate([halves, lanes.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
+
+
+def _paired_out(T: int, cols: int, bias: int) -> np.ndarray:
+    if not 0 <= bias <= 16:
+        raise ValueError(f"the paired layout's sums hold a bias of 0-16, not {bias}")
+    return np.empty((T, cols // QK * PAIRED_BLOCK_BYTES), np.int8)
 
 
 class _QuantizedRows:
@@ -115,14 +139,23 @@ class Q8Activations(_QuantizedRows):
         _quantize_q8(x, q, d, ds)
         return cls._of_new(q, d, ds)
 
+    @classmethod
+    def quantize_paired(cls, x: np.ndarray, bias: int) -> tuple["Q8Activations", np.ndarray]:
+        """quantize(x) and its paired(bias) layout, made in one pass."""
+        T, cols = x.shape
+        q = np.empty((T, cols), np.int8)
+        d = np.empty((T, cols // QK), np.float32)
+        ds = np.empty((T, cols // QK), np.float32)
+        out = _paired_out(T, cols, bias)
+        _quantize_q8_paired(x, q, d, ds, bias, out)
+        return cls._of_new(q, d, ds), out
+
     def paired(self, bias: int) -> np.ndarray:
         """q in the paired layout (PAIRED_BLOCK_BYTES per block), its sums times -bias (|bias| <= 16:
         int16 holds them)."""
-        if not 0 <= bias <= 16:
-            raise ValueError(f"the paired layout's sums hold a bias of 0-16, not {bias}")
         T, cols = self.q.shape
-        out = np.empty((T, cols // QK * PAIRED_BLOCK_BYTES), np.int8)
-        _pair_q8(self.q, bias, out, out.view(np.int16))
+        out = _paired_out(T, cols, bias)
+        _pair_q8(self.q, bias, out)
         return out
 
     @classmethod
@@ -251,7 +284,10 @@ class Activations:
         """q8's values in the paired layout with sums times -bias (the prefill tiles of rows packed in
         pairs), computed once per bias."""
         if bias not in self._paired:
-            self._paired[bias] = self.q8.paired(bias)
+            if self._q8 is None:  # (the usual case: both made at once)
+                self._q8, self._paired[bias] = Q8Activations.quantize_paired(self.x, bias)
+            else:
+                self._paired[bias] = self._q8.paired(bias)
         return self._paired[bias]
 
     @property

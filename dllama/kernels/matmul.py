@@ -572,6 +572,10 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         raise ValueError(f"matmul's out must be {'float64' if wide else 'float32'}, not {out.dtype}")
     if isinstance(w, PackedRows):
         kernel, tile, n, k_quant, pair_bias = _packed_kernel(w.qtype)
+        # the values the tiles read: the paired layout, made only when there are tiles (before the
+        # Q8 form, so that both are made in one pass)
+        paired = not wide and pair_bias is not None and x.tokens >= tile[1]
+        xt = x.q8_paired(pair_bias) if paired else None
         a = x.q8k if k_quant else x.q8
         acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)
         spanned = w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS  # long rows, span by span
@@ -587,8 +591,7 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
             else:
                 _mm_k_packed(w.groups, w.rows, n, *tile, kernel, *acts, out)
         else:
-            # the values the tiles read: the paired layout is made only when there are tiles
-            xt = x.q8_paired(pair_bias) if pair_bias is not None and x.tokens >= tile[1] else a.q
+            xt = a.q if xt is None else xt
             if spanned:
                 _mm_packed_spans(w.groups, w.rows, n, *tile, get_num_threads(), kernel, a.q, xt, a.d, a.ds, out)
             else:
