@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 6  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
+PROTOCOL_VERSION = 7  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
 # 5: steps of several sequences, each with its KV cache slot (continuous batching); 6: a step's
-# copies made layer by layer after its keys and values (a source may compute them in that step)
+# copies made layer by layer after its keys and values (a source may compute them in that step);
+# 7: a greedy position's summary carries no log-sum-exp (None) unless a target asks for it
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16
