@@ -221,7 +221,7 @@ def test_q8_quantized_and_paired_in_one_pass_equal_the_two_passes(tokens):
         for name in ("q", "d", "ds"):
             np.testing.assert_array_equal(getattr(fused.q8, name), getattr(alone, name))
         later = Activations(x)
-        later.q8
+        later.q8  # the Q8 form first: the layout then comes from it
         np.testing.assert_array_equal(later.q8_paired(bias), layout)
     with pytest.raises(ValueError, match="bias"):
         Activations(x).q8_paired(17)
