@@ -201,10 +201,10 @@ def lane_scales(builder, low, high=None):
     """The i32 scales of a scaled quad dot's 8 lanes (lanes 0-3 `low`, 4-7 `high`, default `low`) in
     the form scaled_quad_dot takes here: on x86 16 i16 (madd's i16 lanes 2k, 2k+1 feed i32 lane k)."""
     elem, n = (I16, 16) if _X86_AVX2 else (I32, LANES)
-    low_v = splat(builder, builder.trunc(low, elem) if elem is I16 else low, n)
+    low_v = splat(builder, builder.trunc(low, elem) if low.type != elem else low, n)
     if high is None:
         return low_v
-    high_v = splat(builder, builder.trunc(high, elem) if elem is I16 else high, n)
+    high_v = splat(builder, builder.trunc(high, elem) if high.type != elem else high, n)
     return builder.shuffle_vector(low_v, high_v, const_vec(I32, list(range(n // 2)) + list(range(n, n + n // 2))))
 
 

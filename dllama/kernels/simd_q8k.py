@@ -14,10 +14,11 @@ from __future__ import annotations
 from functools import partial
 
 from llvmlite import ir
+from numba.core import cgutils
 
-from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_VNNI, block_intrinsics, const_vec, fmuladd,
-                   hsum_float_8, load_at, packed_intrinsics, pair_products, pair_sums, run_pair_scales, run_scales,
-                   scale_table, scaled_quad_dot, scaled_quad_dot_pair, splat, vec)
+from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, block_intrinsics, const_vec,
+                   fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics, pair_products, pair_sums,
+                   run_pair_scales, run_scales, scale_table, scaled_quad_dot, scaled_quad_dot_pair, splat, vec)
 from .simd_q8 import TILE, block_format, group_fields
 
 
@@ -25,6 +26,12 @@ from .simd_q8 import TILE, block_format, group_fields
 # (Zen 4, 1 core, 1024 x 2048 from cache) decode strips Q4_K 1.15x, Q6_K 1.08x; prefill tiles Q4_K up
 # to 1.05x, Q6_K level
 PAIRED_RUNS = X86_VNNI
+# AVX2's 16 registers, several tokens: the runs as a loop (_looped_runs), not written out. Written out,
+# LLVM's scheduler computed each pair's 8 runs in a row and spilled what the pairs share: ~220 stack
+# loads and stores per super-block of a 2 x 4 tile. Measured (Zen 3, 1 core, 4096 x 2048, 8 and 128
+# tokens, best of 4 processes each, old and new alternated): Q4_K 1.2-1.3x, Q5_K 1.1-1.2x, Q6_K 1.06-1.13x
+RUN_LOOP = X86_16_REGISTERS
+assert not (RUN_LOOP and PAIRED_RUNS)  # the loop takes one run at a time
 
 # GGML's get_scale_min_k4 on the 12 bytes as uint32 words s0, s1, s2, per row in 4 lanes:
 # scales 0-3 = s0 & 0x3f.., scales 4-7 = (s2 & 0x0f..) | ((s0 >> 6) & 0x03..) << 4,
@@ -84,6 +91,116 @@ def _run(builder, fmt: str, fields: dict, block, i: int, k: int):
     return builder.or_(low, builder.shl(top, splat8(4))), (2 * k, 2 * k + 1)
 
 
+def _looped_run(builder, fmt: str, fields: dict, block, i: int, p, half: int):
+    """_run's quants for _looped_runs, where the run is an IR value: runs come two to a 32-byte load
+    of nibbles, `half` 0 (the low nibbles) or 1 (the high), and p (IR i64, the loop's index) numbers
+    the load; which run that is: _run_number. The shifts that depend on p are of 16-bit lanes (one x86
+    instruction; LLVM makes a byte shift by a variable of several)."""
+    sizes = dict(block_format(fmt).fields)
+
+    def load(name, offset):
+        return load_at(builder, fields[name], builder.add(block, builder.add(_i64(sizes[name] * i), offset)), I8, 32)
+
+    def splat8(v):
+        return const_vec(I8, [v] * 32)
+
+    def nibbles(packed):
+        return builder.and_(packed, splat8(15)) if half == 0 else builder.lshr(packed, splat8(4))
+
+    def bits_down(v, amount):  # bytes shifted right as 16-bit lanes: exact in the bits below 8 - amount
+        lanes = builder.bitcast(v, vec(I16, 16))
+        return builder.bitcast(builder.lshr(lanes, splat(builder, builder.trunc(amount, I16), 16)), vec(I8, 32))
+
+    if fmt in ("q4_k", "q5_k"):  # 64 values per 32 bytes: low nibbles = run 2p, high = 2p+1
+        quants = nibbles(load("qs", builder.mul(p, _i64(32))))
+        if fmt == "q5_k":  # bit k of byte b: value b's fifth bit
+            bit = builder.and_(bits_down(load("qh", _i64(0)), _run_number(builder, fmt, p, half)), splat8(1))
+            quants = builder.or_(quants, builder.shl(bit, splat8(4)))
+        return quants
+    # q6_k (as in _run): load p = 2j + h is ql's bytes 64j + 32h, runs 4j + h (low nibbles) and
+    # 4j + h + 2 (high nibbles), whose top bits are qh's (bytes 32j) bits 2h and 2h + 4
+    j, h = builder.lshr(p, _i64(1)), builder.and_(p, _i64(1))
+    low = nibbles(load("ql", builder.add(builder.mul(j, _i64(64)), builder.mul(h, _i64(32)))))
+    top_at = builder.add(builder.mul(h, _i64(2)), _i64(4 * half))
+    top = builder.and_(bits_down(load("qh", builder.mul(j, _i64(32))), top_at), splat8(3))
+    return builder.or_(low, builder.shl(top, splat8(4)))
+
+
+def _run_number(builder, fmt: str, p, half: int):
+    """The run (0-7: values 32k .. 32k+31) that _looped_run(p, half) gives, as IR."""
+    if fmt in ("q4_k", "q5_k"):
+        return builder.add(builder.mul(p, _i64(2)), _i64(half))
+    j, h = builder.lshr(p, _i64(1)), builder.and_(p, _i64(1))
+    return builder.add(builder.add(builder.mul(j, _i64(4)), h), _i64(2 * half))
+
+
+def _i64(v: int) -> ir.Constant:
+    return ir.Constant(I64, v)
+
+
+def _unrolled_runs(builder, fmt: str, groups, rows, block, tables, xq) -> dict:
+    """The integer lanes (sumi) of every (row, token) pair over the super-block's 8 runs, written out
+    in order. Several tokens: run by run (one run's quants and scale per row live at a time, shared
+    by the tokens; row by row they spill: Q6_K's 2 x 4 tile 1.3x slower); one token: row by row
+    (run by run 1.3x slower). xq: per token, its activations of run k at [32 * k]."""
+    sumi = {(r, j): ir.Constant(vec(I32, LANES), [0] * LANES) for r in range(len(rows)) for j in range(len(xq))}
+    step = 2 if PAIRED_RUNS else 1  # runs k, k+1 together (scaled_quad_dot_pair)
+    order = [(k, r) for k in range(0, 8, step) for r in range(len(rows))] if len(xq) > 1 \
+        else [(k, r) for r in range(len(rows)) for k in range(0, 8, step)]
+
+    for k, r in order:
+        g, i = rows[r]
+        quants, runs = _run(builder, fmt, groups[g][0], block, i, k)
+        if PAIRED_RUNS:
+            quants_b, runs_b = _run(builder, fmt, groups[g][0], block, i, k + 1)
+            scales = run_pair_scales(builder, tables[g][i], runs, runs_b)
+            for j, x in enumerate(xq):
+                sumi[r, j] = scaled_quad_dot_pair(builder, quants, x[32 * k], quants_b, x[32 * k + 32], scales,
+                                                  sumi[r, j])
+            continue
+        scales = run_scales(builder, tables[g][i], *runs)
+        for j, x in enumerate(xq):
+            sumi[r, j] = scaled_quad_dot(builder, quants, x[32 * k], scales, sumi[r, j])
+    return sumi
+
+
+def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
+    """_unrolled_runs' sumi (AVX2, several tokens, no VNNI), as a loop of 4 iterations of the 2 runs
+    of one load (_looped_run), which LLVM keeps a loop: its 8 sumi stay in registers, and each run's quants
+    and scales are made once for the tokens. Each row's scale table is stored once, and a run's
+    scale loaded from it. x_at: per token, the pointer to its values and the byte of the super-block."""
+    sumi_slots = {}
+    for r in range(len(rows)):
+        for j in range(len(x_at)):
+            sumi_slots[r, j] = cgutils.alloca_once_value(builder, ir.Constant(vec(I32, LANES), [0] * LANES))
+    table_at = []
+    for g, i in rows:
+        slot = cgutils.alloca_once_value(builder, tables[g][i])
+        table_at.append(builder.bitcast(slot, tables[g][i].type.element.as_pointer()))
+    with cgutils.for_range(builder, _opaque_i64(builder, 4)) as loop:
+        p = loop.index
+        for half in (0, 1):
+            k = _run_number(builder, fmt, p, half)
+            entries = (k, k) if fmt != "q6_k" else \
+                (builder.mul(k, _i64(2)), builder.add(builder.mul(k, _i64(2)), _i64(1)))
+            per_row = []
+            for r, (g, i) in enumerate(rows):
+                low, high = (builder.load(builder.gep(table_at[r], [e])) for e in entries)
+                per_row.append((_looped_run(builder, fmt, groups[g][0], block, i, p, half),
+                                lane_scales(builder, low, high)))
+            for j, (xq_ptr, xq_at) in enumerate(x_at):
+                x = load_at(builder, xq_ptr, builder.add(xq_at, builder.mul(k, _i64(32))), I8, 32)
+                for r, (quants, scales) in enumerate(per_row):
+                    slot = sumi_slots[r, j]
+                    builder.store(scaled_quad_dot(builder, quants, x, scales, builder.load(slot)), slot)
+    return {pair: builder.load(slot) for pair, slot in sumi_slots.items()}
+
+
+def _opaque_i64(builder, n: int):
+    """The constant n, which LLVM cannot see: a loop of n iterations stays a loop (not unrolled)."""
+    return builder.asm(ir.FunctionType(I64, [I64]), "", "=r,0", [_i64(n)], side_effect=False)
+
+
 def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_stride: int):
     """IR of the dot of every weight row with every Q8_K activation row (x_rows: pointers to its
     values, scales, 16-sums) -> totals[row][token], rows in `groups` of (pointers to the first row's
@@ -117,12 +234,13 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
         dmin_w = [widen(load_at(builder, fields["dmin"], block, F16, n)) for fields, n in groups] \
             if fmt != "q6_k" else None
         tables = [_scale_tables(builder, fmt, fields, block, n) for fields, n in groups]
-        per_token = []
+        per_token, x_at = [], []
         for xq_ptr, xd_ptr, xs_ptr in x_rows:
             x_d = builder.load(builder.gep(xd_ptr, [b]))
             xq_at = builder.mul(b, ir.Constant(I64, 256))
+            x_at.append((xq_ptr, xq_at))
             xq = {offset: load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(I64, offset)), I8, 32)
-                  for offset in range(0, 256, 32)}  # run k's activations at 32k
+                  for offset in range(0, 256, 32)}  # run k's activations at 32k (unused by _looped_runs: dropped)
             sums = builder.load(builder.bitcast(builder.gep(xs_ptr, [builder.mul(b, ir.Constant(I64, 16))]),
                                                 vec(I32, 16).as_pointer()), align=4)  # the 16-sums (int8 x 16: i16)
             # Q4_K/Q5_K: the 32-sums, which meet the mins; Q6_K: the 16-sums, which meet the scales
@@ -134,26 +252,11 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
             dmin = [builder.fmul(splat(builder, builder.fneg(x_d_wide), v.type.count), v) for v in dmin_w] \
                 if dmin_w is not None else None
             per_token.append((xq, sums, d, dmin))
-        # The integer lanes of every pair, then each pair's float operations. Several tokens: run by
-        # run (one run's quants and scale per row live at a time, shared by the tokens; row by row
-        # they spill: Q6_K's 2 x 4 tile 1.3x slower); one token: row by row (run by run 1.3x slower)
-        sumi = {pair: ir.Constant(vec(I32, LANES), [0] * LANES) for pair in pairs}
-        step = 2 if PAIRED_RUNS else 1  # runs k, k+1 together (scaled_quad_dot_pair)
-        order = [(k, r) for k in range(0, 8, step) for r in range(len(rows))] if len(x_rows) > 1 \
-            else [(k, r) for r in range(len(rows)) for k in range(0, 8, step)]
-        for k, r in order:
-            g, i = rows[r]
-            quants, runs = _run(builder, fmt, groups[g][0], block, i, k)
-            if PAIRED_RUNS:
-                quants_b, runs_b = _run(builder, fmt, groups[g][0], block, i, k + 1)
-                scales = run_pair_scales(builder, tables[g][i], runs, runs_b)
-                for j, (xq, _, _, _) in enumerate(per_token):
-                    sumi[r, j] = scaled_quad_dot_pair(builder, quants, xq[32 * k], quants_b, xq[32 * k + 32], scales,
-                                                      sumi[r, j])
-                continue
-            scales = run_scales(builder, tables[g][i], *runs)
-            for j, (xq, _, _, _) in enumerate(per_token):
-                sumi[r, j] = scaled_quad_dot(builder, quants, xq[32 * k], scales, sumi[r, j])
+        # The integer lanes of every pair, then each pair's float operations
+        if RUN_LOOP and len(x_rows) > 1:
+            sumi = _looped_runs(builder, fmt, groups, rows, block, tables, x_at)
+        else:
+            sumi = _unrolled_runs(builder, fmt, groups, rows, block, tables, [xq for xq, _, _, _ in per_token])
         for r, (g, i) in enumerate(rows):
             table = tables[g][i]
             for j, (xq, sums, d, dmin) in enumerate(per_token):
