@@ -199,7 +199,8 @@ def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
 
 def lane_scales(builder, low, high=None):
     """The i32 scales of a scaled quad dot's 8 lanes (lanes 0-3 `low`, 4-7 `high`, default `low`) in
-    the form scaled_quad_dot takes here: on x86 16 i16 (madd's i16 lanes 2k, 2k+1 feed i32 lane k)."""
+    the form scaled_quad_dot takes here: on x86 16 i16 (madd's i16 lanes 2k, 2k+1 feed i32 lane k).
+    low and high are integers, truncated to that lane type unless they are of it (scale_table's)."""
     elem, n = (I16, 16) if _X86_AVX2 else (I32, LANES)
     low_v = splat(builder, builder.trunc(low, elem) if low.type != elem else low, n)
     if high is None:
