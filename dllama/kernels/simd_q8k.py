@@ -28,8 +28,8 @@ from .simd_q8 import TILE, block_format, group_fields
 PAIRED_RUNS = X86_VNNI
 # AVX2's 16 registers, several tokens: the runs as a loop (_looped_runs), not written out. Written out,
 # LLVM's scheduler computed each pair's 8 runs in a row and spilled what the pairs share: ~220 stack
-# loads and stores per super-block of a 2 x 4 tile. Measured (Zen 3, 1 core, 4096 x 2048, 8 and 128
-# tokens, best of 4 processes each, old and new alternated): Q4_K 1.2-1.3x, Q5_K 1.1-1.2x, Q6_K 1.06-1.13x
+# loads and stores per super-block of a 2 x 4 tile. Measured (Zen 3, 1 core, 4096 x 2048, 8, 64 and 128
+# tokens, best of 4 processes each, old and new alternated): Q4_K 1.2-1.4x, Q5_K 1.1-1.2x, Q6_K 1.06-1.13x
 RUN_LOOP = X86_16_REGISTERS
 assert not (RUN_LOOP and PAIRED_RUNS)  # the loop takes one run at a time
 
@@ -166,9 +166,10 @@ def _unrolled_runs(builder, fmt: str, groups, rows, block, tables, xq) -> dict:
 
 def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
     """_unrolled_runs' sumi (AVX2, several tokens, no VNNI), as a loop of 4 iterations of the 2 runs
-    of one load (_looped_run), which LLVM keeps a loop: its 8 sumi stay in registers, and each run's quants
-    and scales are made once for the tokens. Each row's scale table is stored once, and a run's
-    scale loaded from it. x_at: per token, the pointer to its values and the byte of the super-block."""
+    of one load (_looped_run), which LLVM keeps a loop: its 8 sumi stay in registers, and each run's
+    quants and scales are made once for the tokens. Each row's scale table is stored once per
+    super-block, and a run's scales loaded from it. x_at: per token, the pointer to its values and
+    the byte of the super-block."""
     sumi_slots = {}
     for r in range(len(rows)):
         for j in range(len(x_at)):
