@@ -91,11 +91,11 @@ def _run(builder, fmt: str, fields: dict, block, i: int, k: int):
     return builder.or_(low, builder.shl(top, splat8(4))), (2 * k, 2 * k + 1)
 
 
-def _looped_run(builder, fmt: str, fields: dict, block, i: int, p, half: int):
+def _looped_run(builder, fmt: str, fields: dict, block, i: int, p, half: int, k):
     """_run's quants for _looped_runs, where the run is an IR value: runs come two to a 32-byte load
     of nibbles, `half` 0 (the low nibbles) or 1 (the high), and p (IR i64, the loop's index) numbers
-    the load; which run that is: _run_number. The shifts that depend on p are of 16-bit lanes (one x86
-    instruction; LLVM makes a byte shift by a variable of several)."""
+    the load; k (IR) is that run's number (_run_number). The shifts that depend on p are of 16-bit
+    lanes (one x86 instruction; LLVM makes a byte shift by a variable of several)."""
     sizes = dict(block_format(fmt).fields)
 
     def load(name, offset):
@@ -114,7 +114,7 @@ def _looped_run(builder, fmt: str, fields: dict, block, i: int, p, half: int):
     if fmt in ("q4_k", "q5_k"):  # 64 values per 32 bytes: low nibbles = run 2p, high = 2p+1
         quants = nibbles(load("qs", builder.mul(p, _i64(32))))
         if fmt == "q5_k":  # bit k of byte b: value b's fifth bit
-            bit = builder.and_(bits_down(load("qh", _i64(0)), _run_number(builder, fmt, p, half)), splat8(1))
+            bit = builder.and_(bits_down(load("qh", _i64(0)), k), splat8(1))
             quants = builder.or_(quants, builder.shl(bit, splat8(4)))
         return quants
     # q6_k (as in _run): load p = 2j + h is ql's bytes 64j + 32h, runs 4j + h (low nibbles) and
@@ -182,12 +182,12 @@ def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
         p = loop.index
         for half in (0, 1):
             k = _run_number(builder, fmt, p, half)
-            entries = (k, k) if fmt != "q6_k" else \
-                (builder.mul(k, _i64(2)), builder.add(builder.mul(k, _i64(2)), _i64(1)))
+            first = builder.mul(k, _i64(2)) if fmt == "q6_k" else k  # as _run's (low, high) entries
+            entries = (first, builder.add(first, _i64(1))) if fmt == "q6_k" else (k, k)
             per_row = []
             for r, (g, i) in enumerate(rows):
                 low, high = (builder.load(builder.gep(table_at[r], [e])) for e in entries)
-                per_row.append((_looped_run(builder, fmt, groups[g][0], block, i, p, half),
+                per_row.append((_looped_run(builder, fmt, groups[g][0], block, i, p, half, k),
                                 lane_scales(builder, low, high)))
             for j, (xq_ptr, xq_at) in enumerate(x_at):
                 x = load_at(builder, xq_ptr, builder.add(xq_at, builder.mul(k, _i64(32))), I8, 32)
