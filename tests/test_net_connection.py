@@ -172,3 +172,32 @@ async def test_frames_queue_until_asked_for_in_order(pair):
     client.write_frame(ARRAY, np.zeros(3, np.int16), tag=9)
     with pytest.raises(ProtocolError, match="out of step"):
         await server.recv_array(into=as_bytes_view(np.empty(3, np.int16)), tag=10)
+
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["reading", "reading-paused"])
+async def test_last_words_survive_a_peer_still_sending(pair, queued):
+    """A rank that gives up keeps reading (and dropping) until the peer has read why, even when it
+    closes at once: closing with unread input resets the connection, and the peer, busy writing
+    to us, would fail on the reset (broken pipe) and blame us instead of the rank that died.
+    With frames queued past the bound (reading paused), giving up resumes reading."""
+    client, server = pair
+    if queued:
+        server._receives.max_queued = 1 << 20
+        for _ in range(2):
+            client.write_array(np.ones(1 << 19, dtype=np.float32))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if server._receives.reading_paused:
+                break
+        assert server._receives.reading_paused
+    client.transport.pause_reading()  # the peer's loop is busy: our last words wait in its socket
+    server.abort("rank 2 (10.0.0.2:1) died")
+    client.write_array(np.ones(4 << 20, dtype=np.float32))  # more than the sockets hold
+    closing = asyncio.ensure_future(server.close())
+    await asyncio.sleep(0.3)
+    if client.transport is not None:  # (reset: the transport is gone, and the error says broken pipe)
+        client.transport.resume_reading()
+    with pytest.raises(PeerAborted, match=r"gave up: rank 2 \(10\.0\.0\.2:1\) died"):
+        await client.recv_msg(timeout=5)
+    await asyncio.wait_for(closing, 1.0)  # the peer closed: no wait for the linger's end (2 s)

@@ -79,6 +79,7 @@ class Connection(MessageIO, asyncio.BufferedProtocol):
         self.on_fail: list = []  # callables(error), run once when the connection fails or closes
         self._error: NetworkError | None = None
         self._bye = False
+        self._lingering = False  # our last words are sent: reading (and dropping) until the peer closes
         self._made = self._loop.create_future()
         self._lost = self._loop.create_future()
 
@@ -327,6 +328,10 @@ class Connection(MessageIO, asyncio.BufferedProtocol):
         except Exception:
             self.transport.abort()
             return
+        self._lingering = True
+        if self._receives.reading_paused:  # (back-pressure on queued frames; what comes now is dropped)
+            self._receives.reading_paused = False
+            self.transport.resume_reading()
         transport = self.transport
         self._loop.call_later(LINGER, lambda: transport.is_closing() or transport.abort())
 
@@ -343,8 +348,11 @@ class Connection(MessageIO, asyncio.BufferedProtocol):
             self._error = PeerClosed("connection closed locally", self.peer)
             self._fail(self._error, close=False)
             self._send_last_words(F.BYE, b"")
-        elif self.transport is not None:
+        elif self.transport is not None and not self._lingering:
             self.transport.close()
+        # Lingering, we wait for the peer to close after reading our last words: closing now, with
+        # its frames unread, would reset the connection, and a peer still writing to us would fail
+        # on the reset (broken pipe) before it read why we gave up.
         if not self._lost.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._lost), timeout)

@@ -67,6 +67,7 @@ class FrameParser:
     def stop(self) -> None:
         self.stopped = True
         self.direct = None
+        self.header_only = False  # what still comes is dropped in whole staging buffers
 
     def redirect(self, into: memoryview) -> None:
         """The frame in progress goes to `into` instead (what has arrived so far is moved)."""
