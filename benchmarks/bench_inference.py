@@ -6,11 +6,14 @@ measures
 - prefill: tokens/s of one forward pass over a ~128-token prompt (logits of the last token only),
 - decode: tokens/s of single-token forward passes (greedy), from the median time per token.
 dllama is measured in-process through `LocalEngine.feed`; llama.cpp through `Llama.eval`
-(flash attention off, as our numerics follow its non-flash path). The machine may be shared, so
+(flash attention off, as our numerics follow its non-flash path). With --llama-no-repack, llama.cpp
+also runs with its weight repacking off (on AVX2 it repacks Q4_0, IQ4_NL and Q4_K into 8-row
+interleaved blocks whose decode keeps one float lane per row; without it, it runs the per-row dot
+products whose order our kernels follow). The machine may be shared, so
 the sides are interleaved over --rounds and every figure is a median over rounds and repeats;
 ratios (dllama / llama.cpp) compare figures of the same run.
 
-    python benchmarks/bench_inference.py [--model smollm2] [--threads 1,2] [--json]
+    python benchmarks/bench_inference.py [--model smollm2] [--threads 1,2] [--llama-no-repack] [--json]
 """
 
 from __future__ import annotations
@@ -81,9 +84,21 @@ def measure_dllama(path: str, threads: int, prompt: list[int], decode: int, repe
     return {"prefill": prefill, "steps": steps, "peak_rss_mb": _peak_rss_mb()}
 
 
-def measure_llama_cpp(path: str, threads: int, prompt: list[int], decode: int, repeats: int) -> dict:
+def measure_llama_cpp(path: str, threads: int, prompt: list[int], decode: int, repeats: int,
+                      repack: bool = True) -> dict:
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
+
+    if not repack:  # Llama() takes no argument for it: its model parameters start from this function
+        defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+        def without_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_cpp.llama_model_default_params = without_repack
 
     llm = Llama(model_path=path, n_ctx=len(prompt) + decode + 8, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, flash_attn=False, logits_all=False, verbose=False)
@@ -103,7 +118,8 @@ def measure_llama_cpp(path: str, threads: int, prompt: list[int], decode: int, r
     return {"prefill": prefill, "steps": steps, "peak_rss_mb": _peak_rss_mb()}
 
 
-SIDES = {"dllama": measure_dllama, "llama.cpp": measure_llama_cpp}
+SIDES = {"dllama": measure_dllama, "llama.cpp": measure_llama_cpp,
+         "llama.cpp no repack": lambda *args: measure_llama_cpp(*args, repack=False)}
 
 
 # ------------------------------------------------------------------ orchestration
@@ -139,6 +155,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="prefill + decode runs per subprocess")
     ap.add_argument("--rounds", type=int, default=3, help="subprocesses per side and thread count, interleaved")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="also measure llama.cpp with its weight repacking off (use_extra_bufts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -154,28 +172,31 @@ def main() -> None:
     path = resolve_model(args.model)
     threads = [int(t) for t in args.threads.split(",")]
     prompt = prompt_tokens(path, args.prompt_tokens)
-    raw = {(t, side): [] for t in threads for side in SIDES}
+    sides = [side for side in SIDES if args.llama_no_repack or side != "llama.cpp no repack"]
+    raw = {(t, side): [] for t in threads for side in sides}
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for t in threads:
-            for side in SIDES:
+            for side in sides:
                 raw[(t, side)].append(run_side(side, path, t, prompt, args.decode_tokens, args.repeats))
 
     rows = []
     for t in threads:
         figures = {}
-        for side in SIDES:
+        for side in sides:
             runs = raw[(t, side)]
             prefill = statistics.median(v for r in runs for v in r["prefill"])
             step = statistics.median(v for r in runs for v in r["steps"])
             figures[side] = {"threads": t, "engine": side, "prefill_tok_s": prefill, "decode_tok_s": 1.0 / step,
                              "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
             rows.append(figures[side])
-        ours, ref = figures["dllama"], figures["llama.cpp"]
-        rows.append({"threads": t, "engine": "ratio dllama/llama.cpp",
-                     "prefill_tok_s": ours["prefill_tok_s"] / ref["prefill_tok_s"],
-                     "decode_tok_s": ours["decode_tok_s"] / ref["decode_tok_s"],
-                     "peak_rss_mb": ours["peak_rss_mb"] / ref["peak_rss_mb"]})
+        ours = figures["dllama"]
+        for side in sides[1:]:
+            ref = figures[side]
+            rows.append({"threads": t, "engine": f"ratio dllama/{side}",
+                         "prefill_tok_s": ours["prefill_tok_s"] / ref["prefill_tok_s"],
+                         "decode_tok_s": ours["decode_tok_s"] / ref["decode_tok_s"],
+                         "peak_rss_mb": ours["peak_rss_mb"] / ref["peak_rss_mb"]})
 
     setup = {"model": os.path.basename(path), "model_mb": os.path.getsize(path) / 1e6,
              "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens, "repeats": args.repeats,
@@ -187,13 +208,13 @@ def main() -> None:
     print(f"model {setup['model']} ({setup['model_mb']:.1f} MB); prompt {len(prompt)} tokens, decode "
           f"{args.decode_tokens} tokens; {args.repeats} repeats x {args.rounds} rounds, medians; "
           f"{setup['cpus']} CPUs, load average {load_before[0]:.2f} -> {setup['load_avg_after']:.2f}")
-    print(f"{'threads':>7}  {'engine':<24} {'prefill tok/s':>13} {'decode tok/s':>12} {'peak RSS MB':>11}")
+    print(f"{'threads':>7}  {'engine':<32} {'prefill tok/s':>13} {'decode tok/s':>12} {'peak RSS MB':>11}")
     for r in rows:
         if r["engine"].startswith("ratio"):
-            print(f"{r['threads']:>7}  {r['engine']:<24} {r['prefill_tok_s']:>12.2f}x {r['decode_tok_s']:>11.2f}x "
+            print(f"{r['threads']:>7}  {r['engine']:<32} {r['prefill_tok_s']:>12.2f}x {r['decode_tok_s']:>11.2f}x "
                   f"{r['peak_rss_mb']:>10.2f}x")
         else:
-            print(f"{r['threads']:>7}  {r['engine']:<24} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
+            print(f"{r['threads']:>7}  {r['engine']:<32} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
                   f"{r['peak_rss_mb']:>11.0f}")
 
 
