@@ -7,11 +7,11 @@ measures
 - decode: tokens/s of single-token forward passes (greedy), from the median time per token.
 dllama is measured in-process through `LocalEngine.feed`; llama.cpp through `Llama.eval`
 (flash attention off, as our numerics follow its non-flash path). With --llama-no-repack, llama.cpp
-also runs with its weight repacking off (on AVX2 it repacks Q4_0, IQ4_NL and Q4_K into 8-row
+also runs with its weight repacking off (on AVX2 it repacks Q4_0, IQ4_NL, Q4_K and Q2_K into 8-row
 interleaved blocks whose decode keeps one float lane per row; without it, it runs the per-row dot
-products whose order our kernels follow). The machine may be shared, so
-the sides are interleaved over --rounds and every figure is a median over rounds and repeats;
-ratios (dllama / llama.cpp) compare figures of the same run.
+products whose order our kernels follow). The machine may be shared, so the sides are interleaved
+over --rounds and every figure is a median over rounds and repeats; ratios (dllama / llama.cpp)
+compare figures of the same run.
 
     python benchmarks/bench_inference.py [--model smollm2] [--threads 1,2] [--llama-no-repack] [--json]
 """
