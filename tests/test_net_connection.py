@@ -174,7 +174,6 @@ async def test_frames_queue_until_asked_for_in_order(pair):
         await server.recv_array(into=as_bytes_view(np.empty(3, np.int16)), tag=10)
 
 
-
 @pytest.mark.parametrize("queued", [False, True], ids=["reading", "reading-paused"])
 async def test_last_words_survive_a_peer_still_sending(pair, queued):
     """A rank that gives up keeps reading (and dropping) until the peer has read why, even when it
