@@ -118,8 +118,9 @@ def measure_llama_cpp(path: str, threads: int, prompt: list[int], decode: int, r
     return {"prefill": prefill, "steps": steps, "peak_rss_mb": _peak_rss_mb()}
 
 
+NO_REPACK = "llama.cpp no repack"  # measured with --llama-no-repack only
 SIDES = {"dllama": measure_dllama, "llama.cpp": measure_llama_cpp,
-         "llama.cpp no repack": lambda *args: measure_llama_cpp(*args, repack=False)}
+         NO_REPACK: lambda *args: measure_llama_cpp(*args, repack=False)}
 
 
 # ------------------------------------------------------------------ orchestration
@@ -172,7 +173,7 @@ def main() -> None:
     path = resolve_model(args.model)
     threads = [int(t) for t in args.threads.split(",")]
     prompt = prompt_tokens(path, args.prompt_tokens)
-    sides = [side for side in SIDES if args.llama_no_repack or side != "llama.cpp no repack"]
+    sides = [side for side in SIDES if args.llama_no_repack or side != NO_REPACK]
     raw = {(t, side): [] for t in threads for side in sides}
     load_before = os.getloadavg()
     for _ in range(args.rounds):
@@ -191,7 +192,9 @@ def main() -> None:
                              "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
             rows.append(figures[side])
         ours = figures["dllama"]
-        for side in sides[1:]:
+        for side in sides:
+            if side == "dllama":
+                continue
             ref = figures[side]
             rows.append({"threads": t, "engine": f"ratio dllama/{side}",
                          "prefill_tok_s": ours["prefill_tok_s"] / ref["prefill_tok_s"],
