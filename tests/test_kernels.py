@@ -17,7 +17,7 @@ from dllama.config import RopeScaling
 from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, Activations, Q8Activations, Q8KActivations, pair_q8_ref,
                                         round_f16)
 from dllama.kernels.attention import attention, attention_ref
-from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_ref
+from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_in_lanes_ref, matmul_ref
 from dllama.kernels.packing import PACKABLE
 from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref,
                                 rope, rope_ref, silu_mul, silu_mul_ref, softcap)
@@ -581,6 +581,25 @@ def _check_packed_rows(qtype, cols: int, spans: int, row_counts, token_counts) -
                 assert ours.shape == (T, rows)
                 np.testing.assert_array_equal(ours, matmul(w.data, qtype, x, wide=wide),
                                               err_msg=f"{cols} columns, {rows} rows, {T} tokens, wide={wide}")
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.IQ4_NL], ids=lambda q: q.name)
+def test_formats_llama_cpp_repacks_sum_in_its_repacked_kernels_order(qtype):
+    """Q4_0 and IQ4_NL (simd_q8.ROWS_IN_LANES) in every path, float32 and float64: each (row, token)
+    its exact block dots times d_w * d_x, added block after block by one fused multiply-add each, as
+    llama.cpp's kernels for the rows it repacks on x86 (matmul_in_lanes_ref, worked out exactly).
+    GGML's vec_dot order (8 lanes, summed at the end) differs in the last bits of many outputs."""
+    from dllama.kernels.packing import PackedRows
+
+    w = weight_matrix(qtype, 19, 512, seed=11)  # 16 blocks a row; 8 rows a group and 3 left
+    x = activations(6, 512, seed=12)
+    ref = matmul_in_lanes_ref(w.data, qtype, x)
+    packed = PackedRows.pack(w.data, qtype)
+    for T in (1, 2, 4, 6):  # a strip, the spanned tiles and strips, whole-row tiles with a strip left
+        for weights in (w.data, packed):
+            np.testing.assert_array_equal(matmul(weights, qtype, x[:T]), ref[:T], err_msg=f"{T} tokens")
+            wide = matmul(weights, qtype, x[:T], wide=True)
+            np.testing.assert_allclose(wide, matmul_ref(w.data, qtype, x[:T]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)

@@ -13,6 +13,7 @@ matvec, T > 1 the batched prefill, where each weight row is read once for all T 
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 
 import numpy as np
 from numba import get_num_threads, njit, prange
@@ -635,6 +636,19 @@ def matmul_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
         a = Q8KActivations.quantize_ref(x)
         xk = a.q.reshape(x.shape[0], -1, 256).astype(np.float64) * a.d[..., None].astype(np.float64)
         return (xk.reshape(x.shape[0], -1) @ dequantize(w, qtype).astype(np.float64).T).astype(np.float32)
+    isum, d, d_x, blocks = _block_dots(w, qtype, x)
+    out = (isum * d[None] * d_x[:, None, :]).sum(-1)
+    if qtype in (QType.Q4_1, QType.Q5_1):
+        a = Q8Activations.quantize_ref(x)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        out += (m[None] * a.ds[:, None, :].astype(np.float64)).sum(-1)
+    return out.astype(np.float32)
+
+
+def _block_dots(w: np.ndarray, qtype: QType, x: np.ndarray):
+    """For a 32-value block format: the exact integer dot isum[t, r, b] of weight block b of row r
+    with token t's Q8 block, the weights' scales d[r, b] and the activations' d_x[t, b] (float64,
+    exactly their f16 values), and the weights' blocks."""
     fmt = FORMATS[qtype]
     blocks = w.reshape(w.shape[0], -1, fmt.block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -649,9 +663,28 @@ def matmul_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
         wq = np.rint(dequantize(unit.reshape(w.shape), qtype)).astype(np.int64).reshape(w.shape[0], -1, QK)
     a = Q8Activations.quantize_ref(x)
     xq = a.q.reshape(x.shape[0], -1, QK).astype(np.int64)
-    isum = np.einsum("rbj,tbj->trb", wq, xq)
-    out = (isum * d[None] * a.d[:, None, :].astype(np.float64)).sum(-1)
-    if qtype in (QType.Q4_1, QType.Q5_1):
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-        out += (m[None] * a.ds[:, None, :].astype(np.float64)).sum(-1)
-    return out.astype(np.float32)
+    return np.einsum("rbj,tbj->trb", wq, xq), d, a.d.astype(np.float64), blocks
+
+
+def matmul_in_lanes_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
+    """Plain-Python reference of the order of the formats in simd_q8.ROWS_IN_LANES (llama.cpp's
+    repacked x86 kernels), bit for bit: for each (row, token), acc = fma(isum, d_w * d_x, acc) over
+    its blocks in turn from 0, each fused multiply-add rounded once to float32 (worked out exactly,
+    with fractions: slow, for tests)."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    isum, d, d_x, _ = _block_dots(w, qtype, x)
+    out = np.zeros(isum.shape[:2], np.float32)
+    for t, r in np.ndindex(out.shape):
+        acc = Fraction(0)
+        for b in range(isum.shape[2]):
+            scale = Fraction(float(np.float32(d[r, b] * d_x[t, b])))  # exact: two f16 significands
+            acc = Fraction(float(_round_f32(int(isum[t, r, b]) * scale + acc)))
+        out[t, r] = float(acc)
+    return out
+
+
+def _round_f32(q: Fraction) -> np.float32:
+    """The float32 nearest q, ties to even."""
+    near = np.float32(float(q))  # within an ulp of it (rounded twice)
+    candidates = (np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf)))
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - q), int(c.view(np.uint32)) & 1))

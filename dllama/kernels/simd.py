@@ -101,6 +101,74 @@ def hsum_float_8(builder, acc):
                         builder.extract_element(quarter, ir.Constant(I32, 1)))
 
 
+# Two ways of summing lanes of <8 x i32> vectors pairwise, as shuffle masks (first, second) into the
+# concatenation of two vectors: lane k of the result is lane first[k] plus lane second[k]
+_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # each vector's halves (cross-lane)
+_ADJACENT = ([0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])  # neighbours (x86: a vphaddd)
+
+
+class LaneSums:
+    """The integer totals of labelled lanes: vectors of <8 x i32> whose lanes each hold part of one
+    (row, token) pair's block dot (`labels`: per vector, each lane's pair), summed by pairs of
+    shuffles and an add until each lane of the result holds one pair's whole total (exact, in any
+    order): for the formats whose rows keep their sums in lanes of their own (simd_q8.ROWS_IN_LANES).
+    The plan is worked out on the labels once; `labels` then lists the results' lanes (None: empty)."""
+
+    def __init__(self, labels: list[list]):
+        self.levels = []
+        items = [list(lanes) for lanes in labels]
+        while any(self._duplicated(lanes) for lanes in items):
+            step = next((step for step in (_HALVES, _ADJACENT) if self._merges(items, step)), None)
+            assert step is not None, f"lanes that no pairwise sum can merge: {items}"
+            if len(items) % 2:
+                items.append([None] * LANES)
+            self.levels.append((step, len(items)))
+            items = [[self._merge(x[i], x[j]) for i, j in zip(*step)]
+                     for x in (a + b for a, b in zip(items[::2], items[1::2]))]
+        self.labels = items
+
+    @staticmethod
+    def _duplicated(lanes) -> bool:
+        named = [label for label in lanes if label is not None]
+        return len(set(named)) < len(named)
+
+    @staticmethod
+    def _merge(a, b):
+        assert a is None or b is None or a == b
+        return b if a is None else a
+
+    @staticmethod
+    def _merges(items, step) -> bool:
+        """Whether `step` sums only lanes of one pair (or an empty one), at least one such sum."""
+        pairs = [(x[i], x[j]) for lanes in items for x in (lanes + [None] * LANES,) for i, j in zip(*step)]
+        return all(a is None or b is None or a == b for a, b in pairs) and any(a is not None and a == b
+                                                                                 for a, b in pairs)
+
+    def emit(self, builder, vectors: list) -> list:
+        """The result vectors (lanes as `labels`) of the input vectors (lanes as given)."""
+        zero = ir.Constant(vec(I32, LANES), [0] * LANES)
+        vectors = list(vectors)
+        for (first, second), count in self.levels:
+            vectors += [zero] * (count - len(vectors))
+            vectors = [builder.add(builder.shuffle_vector(a, b, const_vec(I32, first)),
+                                   builder.shuffle_vector(a, b, const_vec(I32, second)))
+                       for a, b in zip(vectors[::2], vectors[1::2])]
+        return vectors
+
+
+def gather_lanes(builder, values, lanes: list):
+    """A vector whose lane k is values[lanes[k]] (values: a vector, or a list of scalars; a lane of
+    None takes the first value)."""
+    if isinstance(values, list):
+        if len(values) == 1:
+            return splat(builder, values[0], len(lanes))
+        v = ir.Constant(vec(values[0].type, len(values)), None)
+        for k, value in enumerate(values):
+            v = builder.insert_element(v, value, ir.Constant(I32, k))
+        values = v
+    return builder.shuffle_vector(values, values, const_vec(I32, [0 if i is None else i for i in lanes]))
+
+
 # the features numba compiles for: the host's, or NUMBA_CPU_FEATURES (as when the kernels are checked
 # for a Pi 5 under emulation)
 _HOST_FEATURES = set((numba_config.CPU_FEATURES if numba_config.CPU_FEATURES is not None

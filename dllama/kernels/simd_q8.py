@@ -1,7 +1,8 @@
 """Row dots of the 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) against Q8
-activations, in GGML's order: one fused multiply-add per block into 8 float lanes. One builder
-serves every format, since only the unpacking of a block's quants differs; the shared IR pieces
-are in simd.py, the numpy reference is matmul.py's matmul_ref.
+activations, in GGML's orders: one fused multiply-add per block into 8 float lanes (its vec_dot), or
+for the formats llama.cpp repacks on x86 (ROWS_IN_LANES) the order of its repacked kernels. One
+builder serves every format, since only the unpacking of a block's quants differs; the shared IR
+pieces are in simd.py, the numpy reference is matmul.py's matmul_ref.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from llvmlite import ir
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values, load_at,
-                   opaque, packed_intrinsics, quad_dot, splat, vec)
+                   LaneSums, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, gather_lanes, hsum_float_8,
+                   iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
+# The formats llama.cpp repacks on x86 (Q4_0, IQ4_NL: 8 rows interleaved, ggml-cpu/arch/x86/repack.cpp),
+# summed in the order of its kernels for them, which it takes by default there, for one token or many,
+# with AVX2 or AVX-512: each (row, token) keeps one float of its own, and each block adds to it its
+# exact integer dot times d_w * d_x in one fused multiply-add. Here a block's integer dots are summed
+# across lanes until each lane holds one pair's (simd.LaneSums), then one conversion and one multiply-
+# add serve 8 pairs, where GGML's vec_dot order takes 8 lanes per pair and a final 8-lane sum.
+ROWS_IN_LANES = ("q4_0", "iq4_nl")
 # A tile of the prefill GEMM: each weight block unpacked once for TILE_TOKENS tokens, each activation
 # block loaded once for TILE_ROWS rows. With AVX-512's 32 registers 4 x 4 (16 accumulators), 11%
 # faster than 2 x 4 on Zen 4; 2 x 4 elsewhere (AVX2 has 16 registers, NEON 32 of half the width).
@@ -77,6 +85,40 @@ def _row_fields(builder, fmt: str, base, offsets: dict[str, int]) -> dict:
     return {name: builder.gep(base, [ir.Constant(I64, offset)]) for name, offset in offsets.items()}
 
 
+class _InLanes:
+    """The float side of ROWS_IN_LANES: accumulators whose lanes are (row, token) pairs, each lane
+    one pair's float, to which each block adds its integer dot times d_w * d_x in one fused
+    multiply-add (the order of llama.cpp's repacked kernels)."""
+
+    def __init__(self, labels: list[list], acc_t: ir.Type, span, builder):
+        """labels: per vector of a block's integer dots, each lane's (row, token)."""
+        self.sums, self.acc_t = LaneSums(labels), acc_t
+        zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
+        self.slots = [span.accumulator(builder, zero) for _ in self.sums.labels]
+
+    def add(self, builder, block_dots: list, d_rows, d_tokens: list):
+        """One block: its integer dots (<8 x i32>, lanes as labelled), the rows' scales d_w (a
+        vector, or a scalar per row) and the tokens' d_x (a scalar per token)."""
+        for slot, dots, lanes in zip(self.slots, self.sums.emit(builder, block_dots), self.sums.labels):
+            # the product of two f16 significands is exact in f32, as llama.cpp's
+            scale = builder.fmul(gather_lanes(builder, d_rows, [None if at is None else at[0] for at in lanes]),
+                                 gather_lanes(builder, d_tokens, [None if at is None else at[1] for at in lanes]))
+            if self.acc_t is F64:
+                scale = builder.fpext(scale, vec(F64, LANES))
+            acc_v = vec(self.acc_t, LANES)
+            builder.store(fmuladd(builder, builder.sitofp(dots, acc_v), scale, builder.load(slot)), slot)
+
+    def totals(self, builder, n_rows: int, n_tokens: int) -> list:
+        """totals[row][token] (after the loop)."""
+        totals = [[None] * n_tokens for _ in range(n_rows)]
+        for slot, lanes in zip(self.slots, self.sums.labels):
+            acc = builder.load(slot)
+            for k, at in enumerate(lanes):
+                if at is not None:
+                    totals[at[0]][at[1]] = builder.extract_element(acc, ir.Constant(I32, k))
+        return totals
+
+
 def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     """IR of the dot of every weight row as stored (pointers w_ptrs) with every activation row
     (x_rows: pointers to its values, block scales and block d*sums) -> totals[row][token]."""
@@ -97,7 +139,8 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     pairs = [(i, j) for i in range(len(rows)) for j in range(len(x_rows))]
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots, summs_slots = {}, {}
-    for pair in pairs:
+    in_lanes = _InLanes([[pair] * LANES for pair in pairs], acc_t, span, builder) if fmt in ROWS_IN_LANES else None
+    for pair in pairs if in_lanes is None else ():
         acc_slots[pair] = span.accumulator(builder, zero)
         if fmt in _WITH_MIN:
             summs_slots[pair] = span.accumulator(builder, ir.Constant(acc_t, 0.0))
@@ -110,9 +153,19 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
         weights = [_unpack(builder, fmt, fields, block, biased) for fields in rows]
         if one_vector:
             d_rows = builder.fpext(load_at(builder, rows[0]["d"], block, F16, len(rows)), vec(F32, len(rows)))
+        block_dots, d_tokens = {}, []
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
             d_x = builder.load(builder.gep(xd_ptr, [b]))
+            d_tokens.append(d_x)
+            if in_lanes is not None:
+                start = None
+                if biased:
+                    start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES),
+                                        quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True))
+                for i, (quants, _, _) in enumerate(weights):
+                    block_dots[i, j] = quad_dot(builder, quants, xq, w_unsigned=biased, acc=start)
+                continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             products = builder.fmul(d_rows, splat(builder, d_x, len(rows))) if one_vector else None
             # in a tile, d_x's splat is one register multiplied by each row's d_w splat
@@ -142,7 +195,11 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
                     ds_x = builder.fpext(ds_x, F64) if acc_t is F64 else ds_x
                     slot = summs_slots[i, j]
                     builder.store(fmuladd(builder, builder.fpext(m_w, acc_t), ds_x, builder.load(slot)), slot)
+        if in_lanes is not None:
+            in_lanes.add(builder, [block_dots[pair] for pair in pairs], [d_w for _, d_w, _ in weights], d_tokens)
     span.save(builder)
+    if in_lanes is not None:
+        return in_lanes.totals(builder, len(rows), len(x_rows))
     totals = [[None] * len(x_rows) for _ in rows]
     for i, j in pairs:
         total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
@@ -175,7 +232,10 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     n_pairs, tokens = n_rows // 2, range(len(x_rows))
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {}
-    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)):
+    # (ROWS_IN_LANES) a pair of rows' dot with a token: row 2p's in lanes 0-3, row 2p+1's in 4-7
+    in_lanes = _InLanes([[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(n_pairs) for j in tokens], acc_t,
+                        span, builder) if fmt in ROWS_IN_LANES else None
+    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)) if in_lanes is None else ():
         acc_slots[key] = span.accumulator(builder, zero)
     summs_slots = {}
     if fmt in _WITH_MIN:  # lane i: row i's sum of m * (d*sum) of the activations' blocks
@@ -208,6 +268,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
             if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append((low, high))
+        block_dots, d_tokens = {}, []
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             starts = (None, None)
             if paired:
@@ -226,8 +287,15 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                     start = builder.sub(zero_i32, quad_dot(builder, bias_vec, xq, w_unsigned=True))
                     starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
                               for h in (0, 1)]
+            d_tokens.append(builder.load(builder.gep(xd_ptr, [b])))
+            if in_lanes is not None:  # the two halves' dots added: each row's whole block dot in its 4 lanes
+                for p, pair in enumerate(nibbles):
+                    low, high = (quad_dot(builder, quants, x_half, w_unsigned=biased, acc=start)
+                                 for quants, x_half, start in zip(pair, x_halves, starts))
+                    block_dots[p, j] = builder.add(low, high)
+                continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
-            scales = builder.fmul(d_w, splat(builder, builder.load(builder.gep(xd_ptr, [b])), n_rows))
+            scales = builder.fmul(d_w, splat(builder, d_tokens[j], n_rows))
             for p, pair in enumerate(nibbles):
                 scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p] * 4 + [2 * p + 1] * 4))
                 scale = builder.fpext(scale, vec(F64, LANES)) if acc_t is F64 else scale
@@ -240,7 +308,11 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 ds_x = builder.load(builder.gep(xds_ptr, [b]))
                 ds_x = splat(builder, builder.fpext(ds_x, F64) if acc_t is F64 else ds_x, n_rows)
                 builder.store(fmuladd(builder, m_w, ds_x, builder.load(summs_slots[j])), summs_slots[j])
+        if in_lanes is not None:
+            in_lanes.add(builder, [block_dots[p, j] for p in range(n_pairs) for j in tokens], d_w, d_tokens)
     span.save(builder)
+    if in_lanes is not None:
+        return in_lanes.totals(builder, n_rows, len(x_rows))
     totals = [[None] * len(x_rows) for _ in range(n_rows)]
     for p in range(n_pairs):
         for j in tokens:
