@@ -602,6 +602,48 @@ def test_formats_llama_cpp_repacks_sum_in_its_repacked_kernels_order(qtype):
             np.testing.assert_allclose(wide, matmul_ref(w.data, qtype, x[:T]), rtol=1e-6, atol=1e-6)
 
 
+class _NumpyBuilder:
+    """The two IR operations LaneSums emits, on numpy vectors."""
+
+    @staticmethod
+    def _values(v):
+        return v if isinstance(v, np.ndarray) else np.array([getattr(c, "constant", c) for c in v.constant], np.int64)
+
+    def add(self, a, b):
+        return self._values(a) + self._values(b)
+
+    def shuffle_vector(self, a, b, mask):
+        return np.concatenate([self._values(a), self._values(b)])[self._values(mask)]
+
+
+@pytest.mark.parametrize("rows, tokens, two_rows_a_vector", [
+    (1, 1, False), (2, 4, False), (4, 4, False), (3, 1, False),  # a dot, AVX2's and AVX-512's tiles, an odd count
+    (8, 1, True), (2, 4, True), (8, 2, True), (4, 2, True)])  # strips, then AVX2's and AVX-512's paired tiles
+def test_lane_sums_give_each_lane_one_pair_s_whole_sum(rows, tokens, two_rows_a_vector):
+    """simd.LaneSums in every tile shape the kernels use, AVX-512's too (not run on an AVX2 CPU):
+    each (row, token) ends in exactly one lane, holding the sum of all its lanes."""
+    from dllama.kernels.simd import LaneSums
+
+    if two_rows_a_vector:
+        labels = [[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(rows // 2) for j in range(tokens)]
+    else:
+        labels = [[(i, j)] * 8 for i in range(rows) for j in range(tokens)]
+    rng = np.random.default_rng(rows * 10 + tokens)
+    vectors = [rng.integers(-2**20, 2**20, 8) for _ in labels]
+    expected = {}
+    for lanes, v in zip(labels, vectors):
+        for pair, value in zip(lanes, v):
+            expected[pair] = expected.get(pair, 0) + int(value)
+    sums = LaneSums(labels)
+    got = {}
+    for lanes, v in zip(sums.labels, sums.emit(_NumpyBuilder(), vectors)):
+        for pair, value in zip(lanes, v):
+            if pair is not None:
+                assert pair not in got, f"{pair} in two lanes"
+                got[pair] = int(value)
+    assert got == expected
+
+
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_packed_rows_give_the_stored_rows_bits(qtype):
     """Rows packed 2, 4 or 8 to a group (kernels/packing.py) give every (row, token) the bits of the
