@@ -23,7 +23,7 @@ SYNTHETIC_SPECS = {
     # F16, for llama.cpp's quantizer to turn into K-quants (dims multiples of 256: K-quants everywhere)
     "F16-256": dict(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1024, qtype="F16", tied_embeddings=False,
                     seed=21),
-    # Q4_0: llama.cpp repacks it (another summation order); BF16 is converted on load
+    # Q4_0: llama.cpp repacks it (its repacked kernels' order, which ours follow); BF16 is converted on load
     "Q4_0": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, qtype="Q4_0", tied_embeddings=False, seed=4),
     "BF16": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, qtype="BF16", tied_embeddings=True, seed=6),
     # RoPE scaling as Llama-family GGUFs declare it (llama.cpp applies it; a context of 32 so

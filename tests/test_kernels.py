@@ -583,16 +583,18 @@ def _check_packed_rows(qtype, cols: int, spans: int, row_counts, token_counts) -
                                               err_msg=f"{cols} columns, {rows} rows, {T} tokens, wide={wide}")
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.IQ4_NL], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.IQ4_NL, QType.Q4_K], ids=lambda q: q.name)
 def test_formats_llama_cpp_repacks_sum_in_its_repacked_kernels_order(qtype):
-    """Q4_0 and IQ4_NL (simd_q8.ROWS_IN_LANES) in every path, float32 and float64: each (row, token)
-    its exact block dots times d_w * d_x, added block after block by one fused multiply-add each, as
-    llama.cpp's kernels for the rows it repacks on x86 (matmul_in_lanes_ref, worked out exactly).
-    GGML's vec_dot order (8 lanes, summed at the end) differs in the last bits of many outputs."""
+    """Q4_0, IQ4_NL and Q4_K (simd_q8.ROWS_IN_LANES, simd_q8k.K_ROWS_IN_LANES) in every path, float32
+    and float64: each (row, token) its exact block dots times d_w * d_x, added block after block by
+    one fused multiply-add each (Q4_K: less its mins' the same way), as llama.cpp's kernels for the
+    rows it repacks on x86 (matmul_in_lanes_ref, worked out exactly). GGML's vec_dot order (8
+    lanes, summed at the end) differs in the last bits of many outputs."""
     from dllama.kernels.packing import PackedRows
 
-    w = weight_matrix(qtype, 19, 512, seed=11)  # 16 blocks a row; 8 rows a group and 3 left
-    x = activations(6, 512, seed=12)
+    cols = 1024 if qtype == QType.Q4_K else 512  # 4 super-blocks, or 16 blocks, a row
+    w = weight_matrix(qtype, 19, cols, seed=11)  # 8 (Q4_K: 4) rows a group and 3 left
+    x = activations(6, cols, seed=12)
     ref = matmul_in_lanes_ref(w.data, qtype, x)
     packed = PackedRows.pack(w.data, qtype)
     for T in (1, 2, 4, 6):  # a strip, the spanned tiles and strips, whole-row tiles with a strip left

@@ -667,19 +667,41 @@ def _block_dots(w: np.ndarray, qtype: QType, x: np.ndarray):
 
 
 def matmul_in_lanes_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarray:
-    """Plain-Python reference of the order of the formats in simd_q8.ROWS_IN_LANES (llama.cpp's
-    repacked x86 kernels), bit for bit: for each (row, token), acc = fma(isum, d_w * d_x, acc) over
-    its blocks in turn from 0, each fused multiply-add rounded once to float32 (worked out exactly,
-    with fractions: slow, for tests)."""
+    """Plain-Python reference of the order of the formats llama.cpp repacks on x86, whose kernels
+    ours follow (simd_q8.ROWS_IN_LANES, simd_q8k.K_ROWS_IN_LANES), bit for bit: for each (row,
+    token), acc = fma(isum, d_w * d_x, acc) over its blocks in turn from 0, each fused multiply-add
+    rounded once to float32 (worked out exactly, with fractions: slow, for tests), the product of
+    the scales rounded to float32 (exact for two f16s); Q4_K the same of its mins' integer dots
+    with dmin_w * d_x, subtracted at the end."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float32))
-    isum, d, d_x, _ = _block_dots(w, qtype, x)
-    out = np.zeros(isum.shape[:2], np.float32)
+    if qtype == QType.Q4_K:
+        a = Q8KActivations.quantize_ref(x)
+        xq = a.q.reshape(x.shape[0], -1, 256).astype(np.int64)
+        blocks = np.asarray(w, np.uint8).reshape(w.shape[0], -1, 144)
+        d, dmin = (blocks[..., k:k + 2].copy().view(np.float16)[..., 0].astype(np.float32) for k in (0, 2))
+
+        def integers(d_bits: float, dmin_bits: float) -> np.ndarray:  # the quants with d and dmin set
+            unit = blocks.copy()
+            unit[..., 0:4] = np.frombuffer(np.array([d_bits, dmin_bits], np.float16).tobytes(), np.uint8)
+            values = dequantize(unit.reshape(w.shape), qtype).reshape(w.shape[0], -1, 256)
+            return np.einsum("rbj,tbj->trb", np.rint(values).astype(np.int64), xq)
+
+        terms = [(integers(1.0, 0.0), d), (-integers(0.0, 1.0), dmin)]  # sub-block scales x quants; mins
+        d_x = a.d.astype(np.float32)
+    else:
+        isum, d, d_x, _ = _block_dots(w, qtype, x)
+        terms = [(isum, d.astype(np.float32))]
+        d_x = d_x.astype(np.float32)
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
     for t, r in np.ndindex(out.shape):
-        acc = Fraction(0)
-        for b in range(isum.shape[2]):
-            scale = Fraction(float(np.float32(d[r, b] * d_x[t, b])))  # exact: two f16 significands
-            acc = Fraction(float(_round_f32(int(isum[t, r, b]) * scale + acc)))
-        out[t, r] = float(acc)
+        sums = []
+        for dots, scales in terms:
+            acc = Fraction(0)
+            for b in range(dots.shape[2]):
+                scale = Fraction(float(scales[r, b] * d_x[t, b]))  # float32 by float32, rounded to float32
+                acc = Fraction(float(_round_f32(int(dots[t, r, b]) * scale + acc)))
+            sums.append(np.float32(acc))
+        out[t, r] = sums[0] - sums[1] if len(sums) > 1 else sums[0]
     return out
 
 

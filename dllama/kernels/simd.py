@@ -6,8 +6,8 @@ Two reasons to spell the dots out as IR through numba intrinsics instead of writ
   x86 and NEON on a Raspberry Pi.
 - Fidelity: the float accumulation order is GGML's (8 lanes, one fused multiply-add per block,
   lanes summed as ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)) at the end; for the formats llama.cpp
-  repacks on x86, its repacked kernels' order: one float per row, one fused multiply-add per
-  block, LaneSums below). Rounding differences of one ulp get amplified through a deep network
+  repacks on x86, its repacked kernels' order: one float per row and token, one fused multiply-add
+  per block, LaneSums and InLanes below). Rounding differences of one ulp get amplified through a deep network
   when they flip an activation's 8-bit rounding; keeping the same order keeps our logits on top
   of llama.cpp's on x86.
 
@@ -169,6 +169,41 @@ def gather_lanes(builder, values, lanes: list):
             v = builder.insert_element(v, value, ir.Constant(I32, k))
         values = v
     return builder.shuffle_vector(values, values, const_vec(I32, [0 if i is None else i for i in lanes]))
+
+
+class InLanes:
+    """The float side of the formats summed in the order of llama.cpp's repacked kernels
+    (simd_q8.ROWS_IN_LANES, simd_q8k.K_ROWS_IN_LANES): accumulators whose lanes are (row, token)
+    pairs, each lane one pair's float, to which each block adds its integer dot (LaneSums) times
+    d_w * d_x in one fused multiply-add."""
+
+    def __init__(self, labels: list[list], acc_t: ir.Type, span, builder):
+        """labels: per vector of a block's integer dots, each lane's (row, token)."""
+        self.sums, self.acc_t = LaneSums(labels), acc_t
+        zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
+        self.slots = [span.accumulator(builder, zero) for _ in self.sums.labels]
+
+    def add(self, builder, block_dots: list, d_rows, d_tokens: list):
+        """One block: its integer dots (<8 x i32>, lanes as labelled), the rows' scales d_w (a
+        vector, or a scalar per row) and the tokens' d_x (a scalar per token): their product in
+        their type (as llama.cpp's, in f32), widened to the accumulators'."""
+        for slot, dots, lanes in zip(self.slots, self.sums.emit(builder, block_dots), self.sums.labels):
+            scale = builder.fmul(gather_lanes(builder, d_rows, [None if at is None else at[0] for at in lanes]),
+                                 gather_lanes(builder, d_tokens, [None if at is None else at[1] for at in lanes]))
+            if scale.type.element != self.acc_t:
+                scale = builder.fpext(scale, vec(self.acc_t, LANES))
+            acc_v = vec(self.acc_t, LANES)
+            builder.store(fmuladd(builder, builder.sitofp(dots, acc_v), scale, builder.load(slot)), slot)
+
+    def totals(self, builder, n_rows: int, n_tokens: int) -> list:
+        """totals[row][token] (after the loop)."""
+        totals = [[None] * n_tokens for _ in range(n_rows)]
+        for slot, lanes in zip(self.slots, self.sums.labels):
+            acc = builder.load(slot)
+            for k, at in enumerate(lanes):
+                if at is not None:
+                    totals[at[0]][at[1]] = builder.extract_element(acc, ir.Constant(I32, k))
+        return totals
 
 
 # the features numba compiles for: the host's, or NUMBA_CPU_FEATURES (as when the kernels are checked

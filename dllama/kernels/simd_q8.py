@@ -14,8 +14,8 @@ from llvmlite import ir
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   LaneSums, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, gather_lanes, hsum_float_8,
-                   iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
+                   InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values,
+                   load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # The formats llama.cpp repacks on x86 (Q4_0, IQ4_NL: 8 rows interleaved, ggml-cpu/arch/x86/repack.cpp),
@@ -85,40 +85,6 @@ def _row_fields(builder, fmt: str, base, offsets: dict[str, int]) -> dict:
     return {name: builder.gep(base, [ir.Constant(I64, offset)]) for name, offset in offsets.items()}
 
 
-class _InLanes:
-    """The float side of ROWS_IN_LANES: accumulators whose lanes are (row, token) pairs, each lane
-    one pair's float, to which each block adds its integer dot times d_w * d_x in one fused
-    multiply-add (the order of llama.cpp's repacked kernels)."""
-
-    def __init__(self, labels: list[list], acc_t: ir.Type, span, builder):
-        """labels: per vector of a block's integer dots, each lane's (row, token)."""
-        self.sums, self.acc_t = LaneSums(labels), acc_t
-        zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
-        self.slots = [span.accumulator(builder, zero) for _ in self.sums.labels]
-
-    def add(self, builder, block_dots: list, d_rows, d_tokens: list):
-        """One block: its integer dots (<8 x i32>, lanes as labelled), the rows' scales d_w (a
-        vector, or a scalar per row) and the tokens' d_x (a scalar per token)."""
-        for slot, dots, lanes in zip(self.slots, self.sums.emit(builder, block_dots), self.sums.labels):
-            # the product of two f16 significands is exact in f32, as llama.cpp's
-            scale = builder.fmul(gather_lanes(builder, d_rows, [None if at is None else at[0] for at in lanes]),
-                                 gather_lanes(builder, d_tokens, [None if at is None else at[1] for at in lanes]))
-            if self.acc_t is F64:
-                scale = builder.fpext(scale, vec(F64, LANES))
-            acc_v = vec(self.acc_t, LANES)
-            builder.store(fmuladd(builder, builder.sitofp(dots, acc_v), scale, builder.load(slot)), slot)
-
-    def totals(self, builder, n_rows: int, n_tokens: int) -> list:
-        """totals[row][token] (after the loop)."""
-        totals = [[None] * n_tokens for _ in range(n_rows)]
-        for slot, lanes in zip(self.slots, self.sums.labels):
-            acc = builder.load(slot)
-            for k, at in enumerate(lanes):
-                if at is not None:
-                    totals[at[0]][at[1]] = builder.extract_element(acc, ir.Constant(I32, k))
-        return totals
-
-
 def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     """IR of the dot of every weight row as stored (pointers w_ptrs) with every activation row
     (x_rows: pointers to its values, block scales and block d*sums) -> totals[row][token]."""
@@ -139,7 +105,7 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     pairs = [(i, j) for i in range(len(rows)) for j in range(len(x_rows))]
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots, summs_slots = {}, {}
-    in_lanes = _InLanes([[pair] * LANES for pair in pairs], acc_t, span, builder) if fmt in ROWS_IN_LANES else None
+    in_lanes = InLanes([[pair] * LANES for pair in pairs], acc_t, span, builder) if fmt in ROWS_IN_LANES else None
     for pair in pairs if in_lanes is None else ():
         acc_slots[pair] = span.accumulator(builder, zero)
         if fmt in _WITH_MIN:
@@ -233,7 +199,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {}
     # (ROWS_IN_LANES) a pair of rows' dot with a token: row 2p's in lanes 0-3, row 2p+1's in 4-7
-    in_lanes = _InLanes([[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(n_pairs) for j in tokens], acc_t,
+    in_lanes = InLanes([[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(n_pairs) for j in tokens], acc_t,
                         span, builder) if fmt in ROWS_IN_LANES else None
     for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)) if in_lanes is None else ():
         acc_slots[key] = span.accumulator(builder, zero)

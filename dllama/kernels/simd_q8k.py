@@ -1,5 +1,6 @@
 """Row dots of the K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256 values with sub-block scales)
-against Q8_K activations, in the order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K. Apart from the
+against Q8_K activations, in the order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K (Q4_K, which llama.cpp
+repacks on x86: in the order of its repacked kernels, K_ROWS_IN_LANES). Apart from the
 32-block formats (simd_q8.py) because their layout, their activations and their summation differ
 throughout; the shared IR pieces are in simd.py, the numpy reference is matmul.py's matmul_ref.
 
@@ -16,9 +17,10 @@ from functools import partial
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, block_intrinsics, const_vec,
-                   fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics, pair_products, pair_sums,
-                   run_pair_scales, run_scales, scale_table, scaled_quad_dot, scaled_quad_dot_pair, splat, vec)
+from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, InLanes, block_intrinsics,
+                   concat, const_vec, fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics, pair_products,
+                   pair_sums, run_pair_scales, run_scales, scale_table, scaled_quad_dot, scaled_quad_dot_pair, splat,
+                   vec)
 from .simd_q8 import TILE, block_format, group_fields
 
 
@@ -32,6 +34,12 @@ PAIRED_RUNS = X86_VNNI
 # tokens, best of 4 processes each, old and new alternated): Q4_K 1.2-1.4x, Q5_K 1.1-1.2x, Q6_K 1.06-1.13x
 RUN_LOOP = X86_16_REGISTERS
 assert not (RUN_LOOP and PAIRED_RUNS)  # the loop takes one run at a time
+# The K-quants llama.cpp repacks on x86 (Q4_K: ggml_gemv_q4_K_8x8_q8_K and its gemm), summed in the
+# order of those kernels, which it takes by default there: per (row, token) one float for the scaled
+# quants and one for the mins, to which each super-block adds its exact integer total (the sub-block
+# scales' dots; the mins' dots with the 32-sums) times d_w * d_x (dmin_w * d_x) in one fused multiply-
+# add; the row's dot is the first less the second.
+K_ROWS_IN_LANES = ("q4_k",)
 
 # GGML's get_scale_min_k4 on the 12 bytes as uint32 words s0, s1, s2, per row in 4 lanes:
 # scales 0-3 = s0 & 0x3f.., scales 4-7 = (s2 & 0x0f..) | ((s0 >> 6) & 0x03..) << 4,
@@ -215,7 +223,12 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
     rows = [(g, i) for g, (_, n) in enumerate(groups) for i in range(n)]
     pairs = [(r, j) for r in range(len(rows)) for j in range(len(x_rows))]
     slots = {}
-    for pair in pairs:
+    in_lanes = fmt in K_ROWS_IN_LANES
+    if in_lanes:  # the scaled quants' totals, and the mins' (two pairs' 4 lanes to a vector)
+        dots = InLanes([[pair] * LANES for pair in pairs], acc_t, span, builder)
+        twos = [pairs[k:k + 2] + [None] * (k + 2 - len(pairs)) for k in range(0, len(pairs), 2)]
+        mins_in_lanes = InLanes([[a] * 4 + [b] * 4 for a, b in twos], acc_t, span, builder)
+    for pair in pairs if not in_lanes else ():
         init = [("acc", ir.Constant(vec(acc_t, LANES), [0.0] * LANES))]
         init += {"q4_k": [("mins", ir.Constant(vec(acc_t, 4), [0.0] * 4))],
                  "q5_k": [("summs", ir.Constant(acc_t, 0.0))]}.get(fmt, [])
@@ -258,6 +271,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
             sumi = _looped_runs(builder, fmt, groups, rows, block, tables, x_at)
         else:
             sumi = _unrolled_runs(builder, fmt, groups, rows, block, tables, [xq for xq, _, _, _ in per_token])
+        min_dots = {}
         for r, (g, i) in enumerate(rows):
             table = tables[g][i]
             for j, (xq, sums, d, dmin) in enumerate(per_token):
@@ -267,6 +281,9 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
                     mins = builder.shuffle_vector(table, table, const_vec(I32, range(8, 16)))
                     prod = pair_products(builder, mins, sums)
                     dmin_i = builder.extract_element(dmin[g], ir.Constant(I32, i))
+                    if in_lanes:
+                        min_dots[pair] = prod
+                        continue
                     if fmt == "q4_k":
                         accumulate(pair, "mins", splat(builder, dmin_i, 4), builder.sitofp(prod, vec(acc_t, 4)))
                     else:  # Q5_K adds the four lanes as integers, then one float per super-block
@@ -278,7 +295,22 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
                     sumi[pair] = builder.sub(sumi[pair], builder.shl(offset, const_vec(I32, [5] * LANES)))
                 d_i = builder.extract_element(d[g], ir.Constant(I32, i))
                 accumulate(pair, "acc", splat(builder, d_i, LANES), builder.sitofp(sumi[pair], vec(acc_t, LANES)))
+        if in_lanes:
+            # the scales' products as llama.cpp's (d_w * d_x rounded to f32), the mins' negated (an
+            # exact negation of the same product): their sum is its difference of the two floats
+            d_rows = [builder.extract_element(d_w[g], ir.Constant(I32, i)) for g, i in rows]
+            dmin_rows = [builder.extract_element(dmin_w[g], ir.Constant(I32, i)) for g, i in rows]
+            x_ds = [builder.load(builder.gep(xd_ptr, [b])) for _, xd_ptr, _ in x_rows]
+            x_ds = [widen(x_d) if wide else x_d for x_d in x_ds]
+            dots.add(builder, [sumi[pair] for pair in pairs], d_rows, x_ds)
+            zero = ir.Constant(vec(I32, 4), [0] * 4)
+            min_vectors = [concat(builder, min_dots[a], zero if b is None else min_dots[b]) for a, b in twos]
+            mins_in_lanes.add(builder, min_vectors, dmin_rows, [builder.fneg(x_d) for x_d in x_ds])
     span.save(builder)
+    if in_lanes:
+        totals = dots.totals(builder, len(rows), len(x_rows))
+        minus = mins_in_lanes.totals(builder, len(rows), len(x_rows))
+        return [[builder.fadd(total, less) for total, less in zip(*row)] for row in zip(totals, minus)]
     totals = [[None] * len(x_rows) for _ in rows]
     for r, j in pairs:
         total = hsum_float_8(builder, builder.load(slots[(r, j), "acc"]))
