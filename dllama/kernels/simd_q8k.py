@@ -217,8 +217,9 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
     The order of GGML's AVX2 ggml_vec_dot_<fmt>_q8_K: per super-block, 8 integer lanes (lane k:
     values 4k..4k+3 of every 32, times their sub-block scales) turned to floats and fused-multiply-
     added with the super-block scale into 8 float lanes; Q4_K's mins meet the activations' 32-sums
-    in 4 more lanes, Q5_K's in one float. Each pair has its own accumulators, added to as when it is
-    alone (batch invariance)."""
+    in 4 more lanes, Q5_K's in one float. Q4_K instead in the order of llama.cpp's repacked kernels
+    (K_ROWS_IN_LANES). Each pair has its own accumulators, added to as when it is alone (batch
+    invariance)."""
     wide = acc_t is F64
     rows = [(g, i) for g, (_, n) in enumerate(groups) for i in range(n)]
     pairs = [(r, j) for r in range(len(rows)) for j in range(len(x_rows))]
