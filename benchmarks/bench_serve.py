@@ -1,15 +1,24 @@
 """Serving many users at once: dllama serve (continuous batching) next to llama.cpp's llama-server
 (-np N, continuous batching, a KV cache slot per client), same GGUF, same threads, in one run.
 
-For each server and each concurrency N: the server is started for N clients (ours --max-batch N,
-llama-server -np N, each slot the same context), warmed up, then N streaming clients (aiohttp,
-the OpenAI chat API, stream with usage) ask N fixed different questions at once, greedy, with a
-fixed max_tokens. Figures per run: aggregate generated tokens/s (all tokens / wall time from the
-first request to the last answer), per-stream decode tokens/s (median over clients, after each
-one's first token), time to first token p50 / p95. Several rounds; the table shows medians.
+For each server and each concurrency N, the server is started for N clients (ours --max-batch N,
+llama-server -np N, each slot the same context) and warmed up. Streaming clients (aiohttp, the
+OpenAI chat API, stream with usage) ask fixed different questions, greedy, with a fixed max_tokens,
+in two loads (--loads):
+- burst: N clients ask at the same instant, once each. The worst case for the first token: the
+  last one waits for all N prompts.
+- sustained: N users, each asking its next question as soon as its answer ends, for --duration
+  seconds once all have started (they start --stagger seconds apart): the load of llama.cpp's own
+  server benchmark (tools/server/bench: k6 virtual users in a loop). Requests arrive while others
+  decode, as when people share a server. Figures over the requests started in that window.
+Figures per run: aggregate generated tokens/s (burst: all tokens / wall time from the first
+request to the last answer; sustained: tokens streamed within the window / its length), per-stream
+decode tokens/s (median over requests, after each one's first token), time to first token p50 /
+p95. Several rounds; the table shows medians.
 
     python benchmarks/bench_serve.py [--model smollm2|PATH] [--clients 1,4,8,16] [--max-tokens 64]
                                      [--threads 2] [--servers ours,ours-3,llama-server] [--rounds 2]
+                                     [--loads burst,sustained] [--duration 20] [--stagger 0.25]
 
 ours: one node with --threads; ours-3: root + 2 local workers (one thread each: the machine's cores
 are shared by three processes); llama-server: built by benchmarks/build_llama_server.sh from the
@@ -103,10 +112,11 @@ class Server:
 
 
 async def one_stream(http: aiohttp.ClientSession, url: str, question: str, max_tokens: int, t0: float) -> dict:
+    """One streamed answer; its time to first token counts from t0."""
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    first = None
-    pieces = 0
+    start = time.perf_counter()
+    chunks = []  # when each piece of text arrived
     usage = None
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
@@ -120,37 +130,77 @@ async def one_stream(http: aiohttp.ClientSession, url: str, question: str, max_t
                 usage = event["usage"]
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
-                    pieces += 1
-                    if first is None:
-                        first = time.perf_counter()
+                    chunks.append(time.perf_counter())
     end = time.perf_counter()
-    tokens = usage["completion_tokens"] if usage else pieces
-    first = end if first is None else first
-    return {"ttft": first - t0, "tokens": tokens, "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0,
-            "end": end}
+    tokens = usage["completion_tokens"] if usage else len(chunks)
+    first = chunks[0] if chunks else end
+    return {"start": start, "ttft": first - t0, "tokens": tokens, "chunks": chunks, "end": end,
+            "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0}
 
 
-async def run_clients(url: str, n: int, max_tokens: int) -> dict:
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
+                                 connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
+def _latency(requests: list[dict]) -> dict:
+    ttfts = sorted(r["ttft"] for r in requests)
+    return {"stream_tps": statistics.median(r["decode_tps"] for r in requests),
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+            "ttft_p95_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+            "requests": len(requests)}
+
+
+async def run_burst(url: str, n: int, max_tokens: int) -> dict:
+    """n clients ask at the same instant, once each."""
+    async with _session() as http:
         await one_stream(http, url, "Hello", 4, time.perf_counter())  # warm-up
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_stream(http, url, QUESTIONS[i % len(QUESTIONS)], max_tokens, t0)
                                          for i in range(n)))
     wall = max(r["end"] for r in results) - t0
-    ttfts = sorted(r["ttft"] for r in results)
-    return {"aggregate_tps": sum(r["tokens"] for r in results) / wall,
-            "stream_tps": statistics.median(r["decode_tps"] for r in results),
-            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-            "ttft_p95_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
-            "tokens": sum(r["tokens"] for r in results)}
+    tokens = sum(r["tokens"] for r in results)
+    return {"aggregate_tps": tokens / wall, **_latency(results), "tokens": tokens}
 
 
-async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int) -> dict:
+async def run_sustained(url: str, n: int, max_tokens: int, duration: float, stagger: float) -> dict:
+    """n users, user i starting i * stagger seconds in, each asking again as soon as its answer
+    ends, until `duration` seconds after the last one started; figures over that window. Every
+    question is numbered, so that no server answers it from a cached earlier prompt."""
+    asked = 0
+
+    async def user(i: int) -> list[dict]:
+        nonlocal asked
+        await asyncio.sleep(i * stagger)
+        answers = []
+        while time.perf_counter() < window_end:
+            asked += 1
+            question = f"Question {asked}: {QUESTIONS[(i + len(answers) * n) % len(QUESTIONS)]}"
+            answers.append(await one_stream(http, url, question, max_tokens, time.perf_counter()))
+        return answers
+
+    async with _session() as http:
+        await one_stream(http, url, "Hello", 4, time.perf_counter())  # warm-up
+        window_start = time.perf_counter() + (n - 1) * stagger
+        window_end = window_start + duration
+        answers = [a for user_answers in await asyncio.gather(*(user(i) for i in range(n))) for a in user_answers]
+    # an answer's tokens spread over its pieces of text (a piece is a token, or a few)
+    streamed = sum(a["tokens"] / len(a["chunks"]) * sum(window_start <= c < window_end for c in a["chunks"])
+                   for a in answers if a["chunks"])
+    inside = [a for a in answers if window_start <= a["start"] < window_end]
+    return {"aggregate_tps": streamed / duration, **_latency(inside), "tokens": round(streamed)}
+
+
+async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int, loads: list[str],
+                  duration: float, stagger: float) -> dict[str, dict]:
     server = Server(kind, model, threads, n)
     try:
         await server.ready()
-        return await run_clients(server.url, n, max_tokens)
+        figures = {}
+        for load in loads:
+            figures[load] = await (run_burst(server.url, n, max_tokens) if load == "burst" else
+                                   run_sustained(server.url, n, max_tokens, duration, stagger))
+        return figures
     except aiohttp.ClientError as e:
         raise RuntimeError(f"{type(e).__name__}: {e}; the server's log ends: {server.log_tail()[-400:]!r}") from e
     finally:
@@ -172,8 +222,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--servers", default="ours,ours-3,llama-server")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--loads", default="burst,sustained", help="burst, sustained, or both (comma-separated)")
+    ap.add_argument("--duration", type=float, default=20.0, help="sustained: seconds measured once all users ask")
+    ap.add_argument("--stagger", type=float, default=0.25, help="sustained: seconds between users' first questions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    loads = args.loads.split(",")
+    if not loads or set(loads) - {"burst", "sustained"}:
+        ap.error(f"--loads: burst and/or sustained, not {args.loads!r}")
+    if args.duration <= 0 or args.stagger < 0:
+        ap.error("--duration must be > 0 and --stagger >= 0")
     sys.path.insert(0, ROOT)
     from dllama.registry import resolve_model
 
@@ -182,44 +240,51 @@ def main() -> None:
     if "llama-server" in servers and not os.path.exists(LLAMA_SERVER):
         subprocess.run(["sh", os.path.join(HERE, "build_llama_server.sh")], check=True)
     clients = [int(c) for c in args.clients.split(",")]
-    runs: dict[tuple[str, int], list[dict]] = {}
+    runs: dict[tuple[str, str, int], list[dict]] = {}
     failures: dict[tuple[str, int], str] = {}
     for _ in range(args.rounds):  # interleaved: a shared machine's slow spells hit every server alike
         for n in clients:
             for kind in servers:
                 try:
-                    run = asyncio.run(measure(kind, model, args.threads, n, args.max_tokens))
+                    figures = asyncio.run(measure(kind, model, args.threads, n, args.max_tokens, loads,
+                                                  args.duration, args.stagger))
                 except (aiohttp.ClientError, OSError, RuntimeError) as e:  # a server that fell: say so, go on
                     failures.setdefault((kind, n), f"{type(e).__name__}: {e}")
                     print(f"  {kind} x{n}: failed: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
-                runs.setdefault((kind, n), []).append(run)
-                print(f"  {kind} x{n}: {run}", file=sys.stderr)
+                for load, run in figures.items():
+                    runs.setdefault((load, kind, n), []).append(run)
+                    print(f"  {kind} x{n} {load}: {run}", file=sys.stderr)
     figures = {key: median_of(value) for key, value in runs.items()}
     if args.json:
-        print(json.dumps({f"{k}x{n}": v for (k, n), v in figures.items()}, indent=1))
+        print(json.dumps({f"{load}:{k}x{n}": v for (load, k, n), v in figures.items()}, indent=1))
         return
-    load = os.getloadavg()[0]
+    load_average = os.getloadavg()[0]
     print(f"model {os.path.basename(model)}, max_tokens {args.max_tokens}, greedy, {args.threads} thread(s) "
-          f"(ours-3: 1 per node), medians of {args.rounds} round(s), load average {load:.1f}")
-    print("| server | clients | aggregate tok/s | per-stream tok/s | TTFT p50 ms | TTFT p95 ms | aggregate vs "
-          "llama-server |")
-    print("|---|---|---|---|---|---|---|")
-    for n in clients:
-        anchor = figures.get(("llama-server", n))
+          f"(ours-3: 1 per node), medians of {args.rounds} round(s), load average {load_average:.1f}")
+    for load in loads:
+        print(f"\n{load}" + (f" ({args.duration:g} s once all users ask, {args.stagger:g} s apart)"
+                             if load == "sustained" else " (all clients at once, one question each)"))
+        print("| server | clients | aggregate tok/s | per-stream tok/s | TTFT p50 ms | TTFT p95 ms | requests | "
+              "aggregate vs llama-server |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n in clients:
+            anchor = figures.get((load, "llama-server", n))
+            for kind in servers:
+                if (load, kind, n) not in figures:
+                    print(f"| {kind} | {n} | failed: {failures.get((kind, n), '?')} | | | | | |")
+                    continue
+                f = figures[(load, kind, n)]
+                ratio = f"{f['aggregate_tps'] / anchor['aggregate_tps']:.2f}x" if anchor and kind != "llama-server" \
+                    else ""
+                print(f"| {kind} | {n} | {f['aggregate_tps']:.1f} | {f['stream_tps']:.1f} | {f['ttft_p50_ms']:.0f} | "
+                      f"{f['ttft_p95_ms']:.0f} | {f['requests']:.0f} | {ratio} |")
         for kind in servers:
-            if (kind, n) not in figures:
-                print(f"| {kind} | {n} | failed: {failures[(kind, n)]} | | | | |")
-                continue
-            f = figures[(kind, n)]
-            ratio = f"{f['aggregate_tps'] / anchor['aggregate_tps']:.2f}x" if anchor and kind != "llama-server" else ""
-            print(f"| {kind} | {n} | {f['aggregate_tps']:.1f} | {f['stream_tps']:.1f} | {f['ttft_p50_ms']:.0f} | "
-                  f"{f['ttft_p95_ms']:.0f} | {ratio} |")
-    for kind in servers:
-        if (kind, 1) in figures and (kind, 8) in figures:
-            one, eight = figures[(kind, 1)], figures[(kind, 8)]
-            print(f"{kind}: aggregate at 8 clients / 1 client = {eight['aggregate_tps'] / one['aggregate_tps']:.2f}x; "
-                  f"TTFT p95 at 8 / at 1 = {eight['ttft_p95_ms'] / one['ttft_p95_ms']:.2f}x")
+            if (load, kind, 1) in figures and (load, kind, 8) in figures:
+                one, eight = figures[(load, kind, 1)], figures[(load, kind, 8)]
+                print(f"{load}, {kind}: aggregate at 8 clients / 1 client = "
+                      f"{eight['aggregate_tps'] / one['aggregate_tps']:.2f}x; "
+                      f"TTFT p95 at 8 / at 1 = {eight['ttft_p95_ms'] / one['ttft_p95_ms']:.2f}x")
 
 
 if __name__ == "__main__":
