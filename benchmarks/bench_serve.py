@@ -154,7 +154,6 @@ def _latency(requests: list[dict]) -> dict:
 async def run_burst(url: str, n: int, max_tokens: int) -> dict:
     """n clients ask at the same instant, once each."""
     async with _session() as http:
-        await one_stream(http, url, "Hello", 4, time.perf_counter())  # warm-up
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_stream(http, url, QUESTIONS[i % len(QUESTIONS)], max_tokens, t0)
                                          for i in range(n)))
@@ -180,7 +179,6 @@ async def run_sustained(url: str, n: int, max_tokens: int, duration: float, stag
         return answers
 
     async with _session() as http:
-        await one_stream(http, url, "Hello", 4, time.perf_counter())  # warm-up
         window_start = time.perf_counter() + (n - 1) * stagger
         window_end = window_start + duration
         answers = [a for user_answers in await asyncio.gather(*(user(i) for i in range(n))) for a in user_answers]
@@ -196,6 +194,8 @@ async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int, 
     server = Server(kind, model, threads, n)
     try:
         await server.ready()
+        async with _session() as http:  # warm-up, once for the loads that follow
+            await one_stream(http, server.url, "Hello", 4, time.perf_counter())
         figures = {}
         for load in loads:
             figures[load] = await (run_burst(server.url, n, max_tokens) if load == "burst" else
