@@ -673,7 +673,9 @@ def matmul_in_lanes_ref(w: np.ndarray, qtype: QType, x: np.ndarray) -> np.ndarra
     rounded once to float32 (worked out exactly, with fractions: slow, for tests), the product of
     the scales rounded to float32 (exact for two f16s); Q4_K the same of its mins' integer dots
     with dmin_w * d_x, subtracted at the end."""
-    if qtype not in (QType.Q4_0, QType.IQ4_NL, QType.Q4_K):  # (the others sum in GGML's 8-lane order)
+    # the formats whose every term this works out (a scale per block, and Q4_K's mins), not the kernels'
+    # lists: a format added to those must not pass here with a term of its own left out (Q4_1's min)
+    if qtype not in (QType.Q4_0, QType.IQ4_NL, QType.Q4_K):
         raise ValueError(f"{QType(qtype).name} is not summed in the order of llama.cpp's repacked kernels")
     x = np.atleast_2d(np.asarray(x, dtype=np.float32))
     if qtype == QType.Q4_K:

@@ -190,8 +190,11 @@ def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
         p = loop.index
         for half in (0, 1):
             k = _run_number(builder, fmt, p, half)
-            first = builder.mul(k, _i64(2)) if fmt == "q6_k" else k  # as _run's (low, high) entries
-            entries = (first, builder.add(first, _i64(1))) if fmt == "q6_k" else (k, k)
+            if fmt == "q6_k":  # as _run's (low, high) entries
+                first = builder.mul(k, _i64(2))
+                entries = (first, builder.add(first, _i64(1)))
+            else:
+                entries = (k, k)
             per_row = []
             for r, (g, i) in enumerate(rows):
                 low, high = (builder.load(builder.gep(table_at[r], [e])) for e in entries)
