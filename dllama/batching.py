@@ -19,6 +19,13 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
   max(`prefill_chunk` (64 by default), 256 / D) of them, so a long prompt delays the running
   streams by one short chunk per step instead of freezing them, and requests that arrive while
   few others decode get their first token soon; with nothing decoding, up to a step's limit (256).
+- Prefill first: once a request's prompt is to begin, the next step carries prompt tokens alone,
+  without the decoding sequences (never two such steps in a row, so those still advance at least
+  every other step). Its first token then waits for the step in flight and its own prompt, not
+  also for the others' next tokens: on a CPU a step costs about its tokens' compute, so those
+  would add ~D tokens' worth. The decoding streams pay one step's fixed cost per arrival.
+  Measured (benchmarks/bench_serve.py, sustained load, 8 users, SmolLM2, 2 threads): time to
+  first token p50 -25-30%, p95 -15-20%, the aggregate within the run-to-run noise.
 - A request leaves when done; one whose caller went away leaves at the next step (the step in
   flight completes: every node stays in step). Its slot stays idle with its tokens for reuse.
 
@@ -69,6 +76,7 @@ class Batcher:
         self.step_sequences = 0  # summed over steps: sequences per step = step_sequences / steps
         self.step_tokens = 0
         self.last_batch = 0  # sequences in the last step
+        self._prompts_alone = False  # the last step planned carried prompt tokens alone (prefill first)
 
     @property
     def queued(self) -> int:
@@ -155,7 +163,10 @@ class Batcher:
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
-        for s in decoding:
+        # prefill first: a prompt about to begin (nothing of it computed yet) goes without the decoders
+        self._prompts_alone = bool(decoding) and not self._prompts_alone and any(
+            not s.decoding and s.share_from is None and s.out.prefill_tokens == len(s.pending) for s in self.active)
+        for s in [] if self._prompts_alone else decoding:
             streams.append(s)
             seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
             fed.append(1)

@@ -126,6 +126,63 @@ async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, toke
     assert chunked >= 2, steps  # the long prompt's, read beside 4 or more decoding sequences
 
 
+async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, tokenizer):
+    """Prefill first: a request that arrives while others decode gets a step of prompt tokens
+    without their next tokens, unless the step before was such a step (the decoding ones then go
+    first: they advance at least every other step, however the arrivals follow each other). Every
+    answer is the one it gets alone."""
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:4]]
+    alone_engine = LocalEngine(gguf_model, 256)
+    alone = []
+    for p in prompts:
+        alone_engine.release(0)
+        alone.append((await Generator(alone_engine, tokenizer).generate(p, GREEDY, 12)).tokens)
+
+    engine = LocalEngine(gguf_model, 256, slots=4)
+    steps = []  # per step: [(slot, tokens, whether the slot had its logits before: decoding)]
+    answered = set()
+    step = engine.step
+    stepped = asyncio.Event()
+
+    async def recording(seqs):
+        steps.append([(s.slot, len(s.tokens), s.slot in answered) for s in seqs])
+        answered.update(s.slot for s in seqs if s.want_logits)
+        stepped.set()
+        return await step(seqs)
+
+    engine.step = recording
+    generator = Generator(engine, tokenizer)
+
+    async def after(i, n_steps):
+        while len(steps) < n_steps:
+            stepped.clear()
+            await stepped.wait()
+        return await generator.generate(prompts[i], GREEDY, 12)
+
+    batched = await asyncio.gather(*(after(i, n) for i, n in enumerate([0, 3, 4, 5])))  # arrivals step after step
+    assert [g.tokens for g in batched] == alone
+    first_steps = {}  # slot -> index of the first step that carries it
+    for k, entries in enumerate(steps):
+        for slot, _n, _decoding in entries:
+            first_steps.setdefault(slot, k)
+    last_step = {slot: max(k for k, e in enumerate(steps) if any(x[0] == slot for x in e)) for slot in first_steps}
+
+    def decodes(k: int) -> bool:
+        return any(decoding for _slot, _n, decoding in steps[k])
+
+    def someone_decodes_across(k: int) -> bool:  # a slot that has its logits before step k and runs after it
+        return any(first_steps[slot] < k < last_step[slot] and any(x[0] == slot and x[2] for e in steps[:k] for x in e)
+                   for slot in first_steps)
+
+    alone_steps = [k for k in sorted(first_steps.values()) if k > 0 and not decodes(k)]
+    assert alone_steps, steps  # some arrival ran its prompt without the decoding sequences
+    for k in sorted(first_steps.values())[1:]:
+        assert not decodes(k) or not decodes(k - 1), (k, steps)  # alone, or right after a step that was
+    for k in range(1, len(steps)):
+        if someone_decodes_across(k) and not decodes(k - 1):
+            assert decodes(k), (k, steps)  # never two steps in a row without the decoding sequences
+
+
 async def test_a_conversation_continues_in_its_slot(gguf_model, tokenizer):
     """A request that extends an earlier one (its next turn) takes the slot that holds it and
     computes only its new tokens, while another conversation holds the other slot."""
