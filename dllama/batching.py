@@ -24,8 +24,9 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
   every other step). Its first token then waits for the step in flight and its own prompt, not
   also for the others' next tokens: on a CPU a step costs about its tokens' compute, so those
   would add ~D tokens' worth. The decoding streams pay one step's fixed cost per arrival.
-  Measured (benchmarks/bench_serve.py, sustained load, 8 users, SmolLM2, 2 threads): time to
-  first token p50 -25-30%, p95 -15-20%, the aggregate within the run-to-run noise.
+  Measured against merging them (benchmarks/bench_serve.py, sustained load, SmolLM2, 2 threads,
+  three runs, 8 users): time to first token p50 18-30% lower, p95 5-20%; the aggregate -8% to +8%,
+  within this machine's run-to-run noise.
 - A request leaves when done; one whose caller went away leaves at the next step (the step in
   flight completes: every node stays in step). Its slot stays idle with its tokens for reuse.
 
