@@ -160,7 +160,8 @@ class Batcher:
         self.last_used[s.slot] = time.monotonic()
 
     def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
-        """This step's sequences: every decoding one's next token, then prompt chunks."""
+        """This step's sequences: every decoding one's next token, then prompt chunks; or prompt
+        chunks alone, when a prompt is about to begin (prefill first) and the last step was not so."""
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
