@@ -39,6 +39,30 @@ def wire(summaries) -> list:
     return [[s.to_wire() for s in per_node] for per_node in summaries]
 
 
+class RecordedSteps(list):
+    """engine.step wrapped: each step's entries, (slot, tokens, whether the slot had its logits in an
+    earlier step: it decodes), appended as the step starts; `reached(n)` returns once n have started."""
+
+    def __init__(self, engine):
+        super().__init__()
+        answered = set()
+        self._started = asyncio.Event()
+        step = engine.step
+
+        async def recording(seqs):
+            self.append([(s.slot, len(s.tokens), s.slot in answered) for s in seqs])
+            answered.update(s.slot for s in seqs if s.want_logits)
+            self._started.set()
+            return await step(seqs)
+
+        engine.step = recording
+
+    async def reached(self, n_steps: int) -> None:
+        while len(self) < n_steps:
+            self._started.clear()
+            await self._started.wait()
+
+
 # ------------------------------------------------------------------ the engine
 
 
@@ -87,22 +111,11 @@ async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, toke
         alone.append(await Generator(alone_engine, tokenizer).generate(p, prm, 20, stop))
 
     engine = LocalEngine(gguf_model, 512, slots=8)
-    steps = []
-    step = engine.step
-    stepped = asyncio.Event()
-
-    async def recording(seqs):
-        steps.append([(s.slot, len(s.tokens)) for s in seqs])
-        stepped.set()
-        return await step(seqs)
-
-    engine.step = recording
+    steps = RecordedSteps(engine)
     generator = Generator(engine, tokenizer)
 
     async def after(i, n_steps):  # joins once the batch has run n_steps
-        while len(steps) < n_steps:
-            stepped.clear()
-            await stepped.wait()
+        await steps.reached(n_steps)
         return await generator.generate(prompts[i], params[i], 20, stops[i])
 
     batched = await asyncio.gather(*(after(i, n) for i, n in enumerate([0, 0, 0, 0, 2, 3, 5, 8])))
@@ -112,15 +125,15 @@ async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, toke
     # that came with it in the step that computed it: the four started together
     system = _common_prefix(prompts[0], prompts[1])
     assert all(g.prefill_tokens <= len(p) - system for g, p in zip(batched[1:], prompts[1:]))
-    first = dict(steps[0])
+    first = {slot: n for slot, n, _decoding in steps[0]}
     assert sorted(first) == [0, 1, 2, 3] and first[0] == len(prompts[0]), steps[0]
     assert all(first[i] <= len(prompts[i]) - system for i in (1, 2, 3)), steps[0]
     assert max(len(s) for s in steps) >= 5, steps  # they did share steps
     chunked = 0
     for s in steps:  # while D sequences decode, prompts come in chunks of max(64, 256 / D) tokens in all
-        decoding = sum(n == 1 for _slot, n in s)
+        decoding = sum(n == 1 for _slot, n, _decoding in s)
         if decoding:
-            prompt_tokens = sum(n for _slot, n in s if n > 1)
+            prompt_tokens = sum(n for _slot, n, _decoding in s if n > 1)
             assert prompt_tokens <= max(PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET // decoding), s
             chunked += prompt_tokens == PREFILL_CHUNK_WHILE_DECODING
     assert chunked >= 2, steps  # the long prompt's, read beside 4 or more decoding sequences
@@ -139,24 +152,11 @@ async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, 
         alone.append((await Generator(alone_engine, tokenizer).generate(p, GREEDY, 12)).tokens)
 
     engine = LocalEngine(gguf_model, 256, slots=4)
-    steps = []  # per step: [(slot, tokens, whether the slot had its logits before: decoding)]
-    answered = set()
-    step = engine.step
-    stepped = asyncio.Event()
-
-    async def recording(seqs):
-        steps.append([(s.slot, len(s.tokens), s.slot in answered) for s in seqs])
-        answered.update(s.slot for s in seqs if s.want_logits)
-        stepped.set()
-        return await step(seqs)
-
-    engine.step = recording
+    steps = RecordedSteps(engine)
     generator = Generator(engine, tokenizer)
 
     async def after(i, n_steps):
-        while len(steps) < n_steps:
-            stepped.clear()
-            await stepped.wait()
+        await steps.reached(n_steps)
         return await generator.generate(prompts[i], GREEDY, 12)
 
     batched = await asyncio.gather(*(after(i, n) for i, n in enumerate([0, 3, 4, 5])))  # arrivals step after step
