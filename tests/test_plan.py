@@ -168,7 +168,9 @@ def test_plan_properties(cfg, weights):
 async def _run_nodes(shards, steps) -> list[np.ndarray]:
     """Every node's residuals after the forward passes `steps` ((x, start) each), the nodes joined
     by real sync groups over loopback sockets, as a cluster's nodes are (NodeStep)."""
-    async with local_cluster(len(shards), algo="ring") as groups:
+    # The ranks share this thread, so one rank's compute is the others' silence: under emulation a
+    # first JIT compile can outlast the default 60 s (a CI run's 10-node test did); a hang still ends.
+    async with local_cluster(len(shards), algo="ring", timeout=600.0) as groups:
         nodes = [NodeStep(m, g, None) for m, g in zip(shards, groups)]
         hs = None
         for x, start in steps:
