@@ -11,8 +11,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (F16, F32, I16, I32, I64, LANES, X86_32_REGISTERS, const_vec, data_ptr, fmuladd, hsum_float_8,
-                   load_at, row_ptr, vec)
+from .simd import (CACHE_LINE, F16, F32, I8, I16, I32, I64, LANES, X86_32_REGISTERS, const_vec, data_ptr, fmuladd,
+                   hsum_float_8, load_at, prefetch, row_ptr, vec)
 
 
 def _ggml_vec_dot(elem: ir.Type):
@@ -86,8 +86,20 @@ def _f16_tile(n_rows: int, n_tokens: int):
         slots = [[[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in x_ptrs] for _ in w_ptrs]
         for slot in (s for row_slots in slots for token_slots in row_slots for s in token_slots):
             builder.store(zero, slot)
+        # A decode strip asks for the rows its caller's next strip reads, at the offset it reads:
+        # adjacent rows (step 1: the attention's keys, or its transposed values, whose rows are short
+        # streams far apart) go on with the n_rows after them, rows `step` apart (_mm_f16's quarters
+        # of a matrix) each with the row after it
+        next_rows = builder.select(builder.icmp_signed("==", step, ir.Constant(I64, 1)), ir.Constant(I64, n_rows),
+                                   ir.Constant(I64, 1))
+        ahead = [builder.bitcast(row_ptr(context, builder, ty[0], w_arr, builder.add(r, next_rows)), I8.as_pointer())
+                 for r in rows] if n_tokens == 1 else []
         n_steps = builder.sdiv(context.cast(builder, count, ty[5], types.intp), ir.Constant(I64, 4 * LANES))
         with cgutils.for_range(builder, n_steps) as loop:
+            step_bytes = builder.mul(loop.index, ir.Constant(I64, 4 * LANES * 2))
+            for pointer in ahead:
+                for line in range(0, 4 * LANES * 2, CACHE_LINE):
+                    prefetch(builder, builder.gep(pointer, [builder.add(step_bytes, ir.Constant(I64, line))]))
             for k in range(4):
                 value = builder.add(builder.mul(loop.index, ir.Constant(I64, 4 * LANES)), ir.Constant(I64, LANES * k))
                 xs = [load_at(builder, x_ptr, builder.mul(value, ir.Constant(I64, 4)), F32, LANES) for x_ptr in x_ptrs]
