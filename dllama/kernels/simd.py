@@ -391,8 +391,8 @@ def prefetch(builder, address) -> None:
 
 # How far past the block it reads a decode strip asks for the weights' bytes (software prefetch). A
 # decode step reads each matrix once, and a small model's matrices are short streams that the
-# hardware prefetcher picks up late and drops at every 4 KB page: SmolLM2's decode step 10-15%
-# faster with it (Zen 3, 1 and 2 threads); 2048 beside 512 to 8192, from interleaved runs.
+# hardware prefetcher picks up late and drops at every 4 KB page: SmolLM2's decode step 5-17%
+# faster with it (an AVX2-only AMD EPYC, 1 and 2 threads); 2048 beside 512 to 8192, interleaved runs.
 PREFETCH_AHEAD = 2048
 
 
