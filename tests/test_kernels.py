@@ -801,15 +801,17 @@ def test_q5_fifth_bits_are_spread_by_vector_instructions():
     assert not per_bit_lines, per_bit_lines[:8]
 
 
-def test_decode_strips_prefetch_what_they_read_next():
+def test_strips_and_tiles_prefetch_what_they_read_next():
     """A decode strip (one token) asks for the bytes it reads next, packed rows PREFETCH_AHEAD past
-    each block and f16 rows (a matrix's, the KV cache's) a strip ahead: a decode step reads each
-    matrix once as a short stream, which the hardware prefetcher picks up late. The hints change no
-    result (the same products as matmul's); this looks for the instructions in the generated code."""
-    from dllama.kernels.matmul import strip_q4_0
+    each block and f16 rows (a matrix's, the KV cache's) a strip ahead; a tile of packed rows asks
+    as its group's first tile (token 0). A step reads each matrix once as a short stream, which the
+    hardware prefetcher picks up late. The hints change no result (the same products as matmul's);
+    this looks for the instructions in the generated code."""
+    from dllama.kernels.matmul import strip_q4_0, tile_q8_0_packed
     from dllama.kernels.packing import PackedRows, rows_per_group
     from dllama.kernels.simd import _AARCH64, _X86_AVX2
     from dllama.kernels.simd_float import F16_STRIP_ROWS, strip_f16_f32
+    from dllama.kernels.simd_q8 import PACKED_TILE
 
     if not (_X86_AVX2 or _AARCH64):
         pytest.skip("neither x86 with AVX2 nor AArch64")
@@ -819,16 +821,25 @@ def test_decode_strips_prefetch_what_they_read_next():
         strip_q4_0(p, 0, 0, q, d, ds, 0, out, 0)
         strip_f16_f32(w16, 0, 1, x, 0, 64, out16)
 
-    x = activations(1, 64, seed=3)
-    w = weight_matrix(QType.Q4_0, 8, 64, seed=1).data
+    @njit
+    def tile(p, q, d, ds, out):
+        tile_q8_0_packed(p, 0, 0, q, d, ds, 0, out, 0)
+
+    rows, tokens = PACKED_TILE["q8_0"]
+    x = activations(tokens, 64, seed=3)
+    w, w8 = weight_matrix(QType.Q4_0, 8, 64, seed=1).data, weight_matrix(QType.Q8_0, rows, 64, seed=2).data
     w16 = np.random.default_rng(4).standard_normal((F16_STRIP_ROWS, 64)).astype(np.float16)
-    x16 = x.astype(np.float16).astype(np.float32)
+    x16 = x[:1].astype(np.float16).astype(np.float32)
     a = Q8Activations.quantize(x)
     out, out16 = np.zeros((1, 8), np.float32), np.zeros((1, F16_STRIP_ROWS), np.float32)
+    out8 = np.zeros((tokens, rows_per_group(QType.Q8_0)), np.float32)
     strips(PackedRows.pack(w, QType.Q4_0).groups, a.q, a.d, a.ds, out, w16.view(np.uint16), x16, out16)
+    tile(PackedRows.pack(w8, QType.Q8_0).groups, a.q, a.d, a.ds, out8)
     n = rows_per_group(QType.Q4_0)
-    np.testing.assert_array_equal(out[0, :n], matmul(w, QType.Q4_0, x)[0, :n])
-    np.testing.assert_array_equal(out16[0], matmul(w16.view(np.uint16), QType.F16, x)[0])
-    asm = next(iter(strips.inspect_asm().values()))
+    np.testing.assert_array_equal(out[0, :n], matmul(w, QType.Q4_0, x[:1])[0, :n])
+    np.testing.assert_array_equal(out16[0], matmul(w16.view(np.uint16), QType.F16, x[:1])[0])
+    np.testing.assert_array_equal(out8[:, :rows], matmul(w8, QType.Q8_0, x))
     hint = "prefetcht0" if _X86_AVX2 else "prfm"
-    assert asm.count(hint) >= 2, [line for line in asm.splitlines() if "prefetch" in line or "prfm" in line]
+    for kernel, least in ((strips, 2), (tile, 1)):
+        asm = next(iter(kernel.inspect_asm().values()))
+        assert asm.count(hint) >= least, [line for line in asm.splitlines() if "prefetch" in line or "prfm" in line]

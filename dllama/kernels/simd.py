@@ -389,10 +389,11 @@ def prefetch(builder, address) -> None:
     builder.call(hint, [builder.bitcast(address, I8.as_pointer()), read, keep, data])
 
 
-# How far past the block it reads a decode strip asks for the weights' bytes (software prefetch). A
-# decode step reads each matrix once, and a small model's matrices are short streams that the
-# hardware prefetcher picks up late and drops at every 4 KB page: SmolLM2's decode step 5-17%
-# faster with it (an AVX2-only AMD EPYC, 1 and 2 threads); 2048 beside 512 to 8192, interleaved runs.
+# How far past the block it reads a strip or tile of packed rows asks for the weights' bytes
+# (software prefetch). A decode step reads each matrix once, and a small model's matrices are short
+# streams that the hardware prefetcher picks up late and drops at every 4 KB page: SmolLM2's decode
+# step 5-17% faster with it, 8 sequences' step (tiles) ~10% (an AVX2-only AMD EPYC, 1 and 2
+# threads), prefill unchanged; 2048 beside 512 to 8192, from interleaved runs.
 PREFETCH_AHEAD = 2048
 
 
@@ -405,11 +406,11 @@ class Span:
     same order into the same accumulators, the bits of the whole row at once.
     prefetch: a pointer to the first byte the block offsets count from (the group's, in packed
     rows): each block then asks for the bytes PREFETCH_AHEAD past it (a hint, which reads nothing
-    and cannot fault, whatever lies there)."""
+    and cannot fault, whatever lies there), always or, given prefetch_if (an i1), where it holds."""
 
-    def __init__(self, first, stop, per_span, span_bytes, carry=None, prefetch=None):
+    def __init__(self, first, stop, per_span, span_bytes, carry=None, prefetch=None, prefetch_if=None):
         self.first, self.stop, self.per_span, self.span_bytes, self.carry = first, stop, per_span, span_bytes, carry
-        self.prefetch = prefetch
+        self.prefetch, self.prefetch_if = prefetch, prefetch_if
         self._slots, self.carried = [], 0
 
     @classmethod
@@ -428,7 +429,10 @@ class Span:
             with cgutils.for_range(builder, self.per_span) as inner:
                 i = inner.index
                 block = builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
-                if self.prefetch is not None:
+                if self.prefetch is not None and self.prefetch_if is not None:
+                    with builder.if_then(self.prefetch_if):
+                        self._prefetch(builder, block, block_stride)
+                elif self.prefetch is not None:
                     self._prefetch(builder, block, block_stride)
                 yield builder.add(b0, i), block
 
@@ -559,16 +563,26 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
     group_bytes = pack * block_bytes
     emit_tile = emit_tile or emit_packed
 
-    def spans_of(context, builder, wp_type, wp, first=None, prefetch=None):
+    def spans_of(context, builder, wp_type, wp, first=None, prefetch=None, prefetch_if=None):
         """The Span of a group's blocks in packed rows wp (spans, groups, span bytes): all its spans,
-        or span `first` alone, with its accumulators carried; prefetch: the group's pointer, for
-        the decode strips (one token: each group read once, the next group's bytes follow its own)."""
+        or span `first` alone, with its accumulators carried; prefetch (the group's pointer) and
+        prefetch_if as Span takes them (the groups are read in order: the next one's bytes follow)."""
         a = context.make_array(wp_type)(context, builder, value=wp)
         per_span = builder.udiv(builder.extract_value(a.shape, 2), ir.Constant(I64, group_bytes))
         span_bytes = builder.extract_value(a.strides, 0)
         if first is None:
-            return Span(_ZERO, builder.extract_value(a.shape, 0), per_span, span_bytes, prefetch=prefetch)
-        return Span(first, builder.add(first, ir.Constant(I64, 1)), per_span, span_bytes, prefetch=prefetch)
+            return Span(_ZERO, builder.extract_value(a.shape, 0), per_span, span_bytes, prefetch=prefetch,
+                        prefetch_if=prefetch_if)
+        return Span(first, builder.add(first, ir.Constant(I64, 1)), per_span, span_bytes, prefetch=prefetch,
+                    prefetch_if=prefetch_if)
+
+    def first_tokens(context, builder, ty, args, n_tokens: int):
+        """When a strip or tile prefetches: a strip (one token) always, a tile only as the first of
+        its group's tiles (token 0: the group's later tiles find its bytes in cache, and a prefill's
+        128 tokens would otherwise ask 64 times)."""
+        if n_tokens == 1:
+            return None
+        return builder.icmp_signed("==", context.cast(builder, args[6], ty[6], types.intp), _ZERO)
 
     def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str, emit=emit_packed):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):
@@ -577,7 +591,8 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
                 x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
                 i0 = context.cast(builder, args[2], ty[2], types.intp)
                 group = _group_ptr(context, builder, ty, args)
-                span = spans_of(context, builder, ty[0], args[0], prefetch=group if n_tokens == 1 else None)
+                span = spans_of(context, builder, ty[0], args[0], prefetch=group,
+                                prefetch_if=first_tokens(context, builder, ty, args, n_tokens))
                 totals = emit(builder, acc_t, group, i0, n_rows, x_rows, span)
                 _store_group(context, builder, ty, args, totals)
                 return context.get_dummy_value()
@@ -594,7 +609,7 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
                 x_rows, _ = _token_operands(context, builder, ty[3:7], args[3:7], sums_type, n_tokens)
                 group = _group_ptr(context, builder, ty, args)
                 span = spans_of(context, builder, ty[0], args[0], context.cast(builder, args[9], ty[9], types.intp),
-                                prefetch=group if n_tokens == 1 else None)
+                                prefetch=group, prefetch_if=first_tokens(context, builder, ty, args, n_tokens))
                 at = context.cast(builder, args[11], ty[11], types.intp)
                 span.carry = builder.bitcast(row_ptr(context, builder, ty[10], args[10], at), acc_t.as_pointer())
                 i0 = context.cast(builder, args[2], ty[2], types.intp)
