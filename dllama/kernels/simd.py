@@ -566,7 +566,8 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
     def spans_of(context, builder, wp_type, wp, first=None, prefetch=None, prefetch_if=None):
         """The Span of a group's blocks in packed rows wp (spans, groups, span bytes): all its spans,
         or span `first` alone, with its accumulators carried; prefetch (the group's pointer) and
-        prefetch_if as Span takes them (the groups are read in order: the next one's bytes follow)."""
+        prefetch_if as Span takes them (decode reads the groups one span at a time, or rows of one
+        span: the bytes past a block are the next group's)."""
         a = context.make_array(wp_type)(context, builder, value=wp)
         per_span = builder.udiv(builder.extract_value(a.shape, 2), ir.Constant(I64, group_bytes))
         span_bytes = builder.extract_value(a.strides, 0)
@@ -578,11 +579,13 @@ def packed_intrinsics(emit_packed, fmt: str, suffix: str, sums_type: ir.Type, pa
 
     def first_tokens(context, builder, ty, args, n_tokens: int):
         """When a strip or tile prefetches: a strip (one token) always, a tile only as the first of
-        its group's tiles (token 0: the group's later tiles find its bytes in cache, and a prefill's
-        128 tokens would otherwise ask 64 times)."""
+        its group's tiles (token 0, row 0: each block's prefetch covers the whole group's rows, the
+        group's later tiles find its bytes in cache, and a prefill would otherwise ask once per
+        tile, 32-64 times for 128 tokens)."""
         if n_tokens == 1:
             return None
-        return builder.icmp_signed("==", context.cast(builder, args[6], ty[6], types.intp), _ZERO)
+        token, row = (context.cast(builder, args[k], ty[k], types.intp) for k in (6, 2))
+        return builder.and_(builder.icmp_signed("==", token, _ZERO), builder.icmp_signed("==", row, _ZERO))
 
     def build(n_rows: int, n_tokens: int, acc_t: ir.Type, name: str, emit=emit_packed):
         def typer(typingctx, wp, g, i0, xq, xd, xs, t, out, col):

@@ -87,9 +87,9 @@ def _f16_tile(n_rows: int, n_tokens: int):
         for slot in (s for row_slots in slots for token_slots in row_slots for s in token_slots):
             builder.store(zero, slot)
         # A decode strip asks for the rows its caller's next strip reads, at the offset it reads:
-        # adjacent rows (step 1: the attention's keys, or its transposed values, whose rows are short
-        # streams far apart) go on with the n_rows after them, rows `step` apart (_mm_f16's quarters
-        # of a matrix) each with the row after it
+        # adjacent rows (step 1: the attention's keys, one stream, and its transposed values, rows far
+        # apart, each a short stream) go on with the n_rows after them, rows `step` apart (_mm_f16's
+        # quarters of a matrix) each with the row after it
         next_rows = builder.select(builder.icmp_signed("==", step, ir.Constant(I64, 1)), ir.Constant(I64, n_rows),
                                    ir.Constant(I64, 1))
         ahead = [builder.bitcast(row_ptr(context, builder, ty[0], w_arr, builder.add(r, next_rows)), I8.as_pointer())
