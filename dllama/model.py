@@ -316,14 +316,18 @@ class ShardModel:
             # feed-forward over this node's hidden units (of each expert, in a mixture of experts)
             h = Activations(rmsnorm(x, w.ffn_norm, cfg.norm_eps))
             if w.router is None:
-                if w.w_gate_up is not None:
-                    g, u = split_columns(w.w_gate_up.matmul(h), (w.w_gate.rows,))
+                if w.w_gate_up is not None:  # one product: gate and up side by side, gated where they are
+                    both = w.w_gate_up.matmul(h)
+                    if w.b_gate is not None:  # some Llama GGUFs
+                        both += np.concatenate([w.b_gate, w.b_up])
+                    a = gate(both)
                 else:
                     g, u = w.w_gate.matmul(h), w.w_up.matmul(h)
-                if w.b_gate is not None:  # some Llama GGUFs
-                    g += w.b_gate
-                    u += w.b_up
-                a, down = gate(g, u), w.w_down
+                    if w.b_gate is not None:
+                        g += w.b_gate
+                        u += w.b_up
+                    a = gate(g, u)
+                down = w.w_down
             else:  # the router is whole on every node, so all nodes pick the same experts
                 routes = route(w.router.matmul(h), cfg.n_experts_used)
                 a, down = expert_activations(h, routes, w.w_gate, w.w_up), RoutedDown(w.w_down, routes)

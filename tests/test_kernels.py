@@ -383,6 +383,20 @@ def test_silu_mul():
     assert np.isfinite(ours).all()
 
 
+@pytest.mark.parametrize("gate_kernel", [silu_mul, gelu_mul], ids=["silu", "gelu"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_gate_reads_a_stacked_product_in_place(gate_kernel, tokens):
+    """gate(both) of a (T, 2n) stacked gate-and-up product: the bits of gate(its two halves), and
+    the halves are not mixed up (up's half read for up, at the right offset)."""
+    rng = np.random.default_rng(16)
+    both = (rng.standard_normal((tokens, 2 * 1000)) * 3).astype(np.float32)
+    halves = gate_kernel(np.ascontiguousarray(both[:, :1000]), np.ascontiguousarray(both[:, 1000:]))
+    assert gate_kernel(both).shape == (tokens, 1000)
+    np.testing.assert_array_equal(gate_kernel(both), halves)
+    swapped = gate_kernel(np.ascontiguousarray(both[:, 1000:]), np.ascontiguousarray(both[:, :1000]))
+    assert not np.array_equal(gate_kernel(both), swapped)
+
+
 def test_gelu_mul():
     """GGML's GELU: f16 table lookups of the gate (0 below -10, identity above 10), within the
     table's f16 rounding of the exact tanh-GELU."""
