@@ -389,12 +389,17 @@ def test_a_gate_reads_a_stacked_product_in_place(gate_kernel, tokens):
     """gate(both) of a (T, 2n) stacked gate-and-up product: the bits of gate(its two halves), and
     the halves are not mixed up (up's half read for up, at the right offset)."""
     rng = np.random.default_rng(16)
-    both = (rng.standard_normal((tokens, 2 * 1000)) * 3).astype(np.float32)
-    halves = gate_kernel(np.ascontiguousarray(both[:, :1000]), np.ascontiguousarray(both[:, 1000:]))
-    assert gate_kernel(both).shape == (tokens, 1000)
-    np.testing.assert_array_equal(gate_kernel(both), halves)
-    swapped = gate_kernel(np.ascontiguousarray(both[:, 1000:]), np.ascontiguousarray(both[:, :1000]))
-    assert not np.array_equal(gate_kernel(both), swapped)
+    n = 997  # up's half starts off any vector alignment
+    both = (rng.standard_normal((tokens, 2 * n)) * 3).astype(np.float32)
+    kept = both.copy()
+    gated = gate_kernel(both)
+    assert gated.shape == (tokens, n)
+    np.testing.assert_array_equal(both, kept)  # read, not written
+    gate, up = np.ascontiguousarray(both[:, :n]), np.ascontiguousarray(both[:, n:])
+    np.testing.assert_array_equal(gated, gate_kernel(gate, up))
+    assert not np.array_equal(gated, gate_kernel(up, gate))
+    with pytest.raises(ValueError, match="do not halve"):
+        gate_kernel(both[:, 1:])
 
 
 def test_gelu_mul():

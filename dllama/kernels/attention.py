@@ -29,7 +29,7 @@ def _softmax_row(x, lo, n):
     fill [0, lo) and pad n to a multiple of 8: exp by its polynomial, then 8-lane group sums added
     in float64. x[:lo] and x[n:] up to the next multiple of 8 must be zeros (what the masked
     entries' exp gives)."""
-    live = x[lo:n]  # loops from 0 over a view: LLVM vectorizes them, not loops from a runtime lo (5x slower)
+    live = x[lo:n]  # loops from 0 over a view: LLVM vectorizes them, not loops from a runtime lo (~7x slower)
     top = np.float32(-np.inf)  # float32, as GGML's max: x - top rounded once
     for i in range(live.shape[0]):
         top = max(top, live[i])

@@ -219,7 +219,7 @@ def _silu_mul_row(gate, up, out):
 @njit(parallel=True, nogil=True, cache=CACHE, error_model="numpy")
 def _silu_mul(gate, up, at, out):
     """out[t, i] = silu(gate[t, i]) * up[t, at + i]: each row's values as contiguous views, which
-    LLVM vectorizes (see _halves)."""
+    LLVM vectorizes (as attention._softmax_row's)."""
     n = out.shape[1]
     if gate.shape[0] == 1:  # as _rmsnorm
         _silu_mul_row(gate[0, :n], up[0, at:at + n], out[0])
@@ -233,8 +233,10 @@ def _halves(gate: np.ndarray, up: np.ndarray | None) -> tuple[np.ndarray, np.nda
     gate (T, 2n) holds both side by side (a stacked gate-and-up product), read where they are (a
     copy of each half cost ~2 ms a layer of a 64-token prefill of a 1B model, as much as its gate)."""
     if up is None:
+        if gate.shape[1] % 2:
+            raise ValueError(f"a stacked gate and up of {gate.shape[1]} columns do not halve")
         n = gate.shape[1] // 2
-        return gate, gate, n, np.empty((gate.shape[0], n), np.float32)
+        return gate, gate, n, np.empty((gate.shape[0], n), gate.dtype)
     if gate.shape != up.shape:
         raise ValueError(f"gate {gate.shape} and up {up.shape} differ")
     return gate, up, 0, np.empty_like(gate)
