@@ -32,6 +32,10 @@ from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
 from .sync_config import SyncConfig
 from .weights import Matrix
 
+# the warm-up prompt's tokens: more than a prefill tile's (4 at most) and kernels.matmul.SPANNED_TOKENS,
+# so that a prompt's kernels, not only a decode step's, are ready
+WARM_UP_TOKENS = 9
+
 
 @dataclass
 class StepStats:
@@ -258,10 +262,12 @@ class Engine:
         return out
 
     async def warm_up(self) -> None:
-        """One throw-away step, so that loading the compiled kernels (on every node) is not
-        counted as the first prompt's time."""
-        await self.feed([0], SamplingParams(temperature=0.0))
-        self.rewind(0)
+        """Throw-away steps of a few tokens and of one, so that loading the compiled kernels (on
+        every node), or compiling those a prompt needs that were not compiled at install (another
+        weight format's), is done while loading and not counted in the first prompt's time."""
+        for n in (min(WARM_UP_TOKENS, self.ctx_size), 1):
+            await self.feed([0] * n, SamplingParams(temperature=0.0))
+            self.rewind(0)
 
     async def on_request(self) -> None:
         """Called before each generation (a cluster may re-admit workers that came back)."""

@@ -19,6 +19,11 @@ from .activations import Activations
 from .attention import attention
 from .matmul import matmul
 from .packing import PACKABLE, PackedRows
+from .simd_q8 import TILE_TOKENS
+
+# a prompt's tokens: enough for the prefill tiles, whose activations some formats read in a layout
+# of their own (Activations.q8_paired, a kernel of its own), as well as for one token
+TOKENS = (1, TILE_TOKENS + 1)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -36,13 +41,14 @@ def warm_up(verbose: bool = False) -> float:
         column_slice = data[:, : data.shape[1] // 2]  # strided rows, as the root's own shard
         for w in (data, column_slice):
             cols = 128 if w is data else 64
-            for T in (1, 3):
-                x = Activations(rng.standard_normal((T, cols), dtype=np.float32))
-                matmul(w, qtype, x)
-                matmul(w, qtype, x, wide=True)
+            for T in TOKENS:
+                x = rng.standard_normal((T, cols), dtype=np.float32)
+                matmul(w, qtype, Activations(x))
+                matmul(w, qtype, Activations(x), wide=True)
                 if qtype in PACKABLE and w is data:  # as every node holds these formats
-                    matmul(PackedRows.pack(w, qtype), qtype, x)
-                    matmul(PackedRows.pack(w, qtype), qtype, x, wide=True)
+                    # (fresh activations: quantized for packed rows, not reused from the calls above)
+                    matmul(PackedRows.pack(w, qtype), qtype, Activations(x))
+                    matmul(PackedRows.pack(w, qtype), qtype, Activations(x), wide=True)
         if qtype in PACKABLE:  # rows long enough to be walked span by span
             long_rows = PackedRows.pack(quantize(rng.standard_normal((8, 4096), dtype=np.float32), qtype), qtype)
             one_token = Activations(rng.standard_normal((1, 4096), dtype=np.float32))
@@ -51,8 +57,8 @@ def warm_up(verbose: bool = False) -> float:
         if verbose:
             print(f"  {qtype.name} matmul ready", file=sys.stderr)
     x = rng.standard_normal((3, 128), dtype=np.float32)
-    norm = _read_only(np.ones(128, np.float32))
-    ops.rmsnorm(x, norm, 1e-5)
+    for norm in (np.ones(128, np.float32), _read_only(np.ones(128, np.float32))):  # loaded, and in a GGUF map
+        ops.rmsnorm(x, norm, 1e-5)
     ops.silu_mul(x, x)
     ops.top_k(x[0], 3)
     ops.log_sum_exp(x[0], 0.7)
