@@ -167,9 +167,13 @@ def test_prompt_longer_than_the_context(model_path):
     assert_one_line_error(dllama(*args), "context", only_line=False)
 
 
-def test_invalid_option_values(model_path):
-    result = dllama("inference", "--model", model_path, "--prompt", "hi", "--steps", "0")
-    assert result.returncode != 0 and "Traceback" not in result.stderr and "--steps" in result.stderr
+@pytest.mark.parametrize("args, fragment", [(("--steps", "0"), "--steps"), (("--ctx-size", "4"), "--ctx-size"),
+                                            (("--top-p", "2"), "--top-p"), (("--no-such-flag",), "--no-such-flag")])
+def test_invalid_option_values(model_path, args, fragment):
+    """click's own usage errors too: one line, not its usage block."""
+    result = dllama("inference", "--model", model_path, "--prompt", "hi", *args)
+    assert_one_line_error(result, fragment, "dllama inference --help")
+    assert result.returncode == 2
 
 
 # ------------------------------------------------------------------ chat

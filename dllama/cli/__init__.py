@@ -44,6 +44,9 @@ def cli():
                         datefmt="%H:%M:%S")
 
 
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # (click >= 8.2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors become one line on stderr and a non-zero exit (DLLAMA_DEBUG=1 shows
     the traceback of an unexpected one)."""
@@ -51,8 +54,15 @@ def main(argv: list[str] | None = None) -> None:
         code = cli.main(args=argv, standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except click.ClickException as e:
+    except _NO_ARGS_IS_HELP as e:  # `dllama` alone: the help, as click shows it
         e.show()
+        sys.exit(e.exit_code)
+    except click.UsageError as e:  # a bad option: click's own message, on one line like our errors
+        where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{where}", err=True)
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except DllamaError as e:
         click.echo(f"error: {e}", err=True)
