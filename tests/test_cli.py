@@ -213,6 +213,13 @@ def test_chat_answers_each_piped_line(model_path, gguf_model, tokenizer, llama_r
 # ------------------------------------------------------------------ perplexity
 
 
+def test_perplexity_of_a_file_that_is_not_text(tmp_path, model_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"ok \xf5\x80 not text")
+    assert_one_line_error(dllama("perplexity", "--model", model_path, "--text-file", str(path)), "data.bin",
+                          "not UTF-8", "offset 3")
+
+
 def test_perplexity_within_llama_cpp_s_own_spread(model_path, tokenizer, llama_ref):
     """Our perplexity against llama.cpp's one-token-at-a-time evaluation (the order our kernels
     follow), within max(2x llama.cpp's own spread (its batched evaluation against that), 0.5%);

@@ -269,6 +269,8 @@ def read_text_file(path: str) -> str:
             return f.read()
     except OSError as e:
         raise DllamaError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise DllamaError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
 
 
 def stdout_write(text: str) -> None:
