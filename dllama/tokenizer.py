@@ -58,7 +58,13 @@ class Tokenizer:
         """Token ids of text. BOS is added when the GGUF asks for it (or as add_bos says);
         special=True parses control tokens such as <|im_start|> (used for templated chat)."""
         bos = self.add_bos if add_bos is None else add_bos
-        return self._llama.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: bytes that were not UTF-8 (argv, stdin)
+            char = text[e.start]
+            what = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"U+{ord(char):04X}"
+            raise DllamaError(f"the text is not valid UTF-8 (it holds {what})") from None
+        return self._llama.tokenize(data, add_bos=bos, special=special)
 
     def piece(self, token: int) -> str:
         return self.piece_bytes(token).decode("utf-8", errors="replace")

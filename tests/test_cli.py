@@ -213,6 +213,12 @@ def test_chat_answers_each_piped_line(model_path, gguf_model, tokenizer, llama_r
 # ------------------------------------------------------------------ perplexity
 
 
+def test_a_prompt_that_is_not_utf8(model_path):
+    """Bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer could not encode them."""
+    result = dllama("inference", "--model", model_path, "--prompt", os.fsdecode(b"a\xffb"), "--steps", "2")
+    assert_one_line_error(result, "not valid UTF-8", "byte 0xff", only_line=False)
+
+
 def test_perplexity_of_a_file_that_is_not_text(tmp_path, model_path):
     path = tmp_path / "data.bin"
     path.write_bytes(b"ok \xf5\x80 not text")

@@ -108,6 +108,25 @@ def test_non_finite_numbers_are_400(server, path, raw, param):
     assert status == 200, ok
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions", rb'"messages": [{"role": "user", "content": "hi \ud800 there"}]', "messages[0].content"),
+    ("/v1/chat/completions", rb'"messages": [{"role": "user", "content": "\udcff"}]', "messages[0].content"),
+    ("/v1/chat/completions", b'"messages": [{"role": "user", "content": "hi \xed\xa0\x80"}]', "messages[0].content"),
+    ("/v1/completions", rb'"prompt": "Hello \udfff"', "prompt"),
+    ("/v1/completions", rb'"prompt": ["ok", "\ud83d"]', "prompt[1]"),
+], ids=["high-escape", "low-escape", "encoded-bytes", "completions", "second-prompt"])
+def test_lone_surrogates_are_400(server, path, raw, param):
+    """A \\ud800 escape alone decodes to a string with no UTF-8 form: the tokenizer's encoding
+    failed on it (a 500). It is a 400 naming the field; a valid pair of escapes (an emoji) is text."""
+    body = b'{"model": "m", "max_tokens": 1, "temperature": 0, ' + raw + b"}"
+    status, _h, err = post(server, path, body)
+    assert status == 400, err
+    assert "surrogate" in assert_openai_error(err, "invalid_value", param)["message"]
+    emoji = b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+    status, _h, ok = post(server, "/v1/chat/completions", emoji)
+    assert status == 200, ok
+
+
 # ------------------------------------------------------------------ slow and idle clients
 
 

@@ -1,5 +1,6 @@
-"""A request's JSON body, parsed defensively: its nesting bounded before the parser sees it, and
-no NaN or infinity (JSON has none; Python's parser would accept them)."""
+"""A request's JSON body, parsed defensively: its nesting bounded before the parser sees it, no NaN
+or infinity (JSON has none; Python's parser would accept them), and no string that is not text (a
+lone UTF-16 surrogate, which a \\ud800 escape makes and which has no UTF-8 form)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ MAX_JSON_DEPTH = 64  # a real request nests 4 deep (messages, a message, content
 _ESCAPE = re.compile(r"\\[\s\S]")
 _STRING = re.compile(r'"[^"]*(?:"|\Z)')
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # (also the escapes of a valid pair, which json joins)
 
 
 def json_depth(text: str) -> int:
@@ -74,9 +77,16 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
     except ValueError as e:  # JSONDecodeError; an integer of more than 4300 digits
         raise _invalid_json(e) from None
     if found:
-        path, literal = _find_non_finite(body)
-        raise bad_request(f"'{path}' is {literal}; numbers must be finite (JSON has no NaN or Infinity, and this "
-                          f"server takes no number beyond ±1.8e308).", path or None)
+        path, value = _find(body, lambda v: isinstance(v, _NonFinite))
+        raise bad_request(f"'{path}' is {value.text}; numbers must be finite (JSON has no NaN or Infinity, and "
+                          f"this server takes no number beyond ±1.8e308).", path or None)
+    if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+        lone = _find(body, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None)
+        if lone is not None:
+            path, value = lone
+            char = _SURROGATE.search(value).group()
+            raise bad_request(f"'{path or '(a key)'}' holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is "
+                              "not text; strings must be valid Unicode.", path or None)
     return body
 
 
@@ -84,16 +94,20 @@ def _invalid_json(e: Exception) -> "APIError":
     return bad_request(f"We could not parse the JSON body of your request: {e}", code="invalid_json")
 
 
-def _find_non_finite(body) -> tuple[str, str]:
-    """The path (as in `param`: messages[0].content) and literal of the first non-finite number.
-    Iterative: the depth is already bounded, but no recursion is needed."""
+def _find(body, is_it):
+    """(path, value) of the first value (or key) of the body that is_it, None if none; the path as
+    in `param`: messages[0].content. Iterative: the depth is already bounded, but no recursion is
+    needed."""
     stack = [("", body)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, _NonFinite):
-            return path, value.text
+        if is_it(value):
+            return path, value
         if isinstance(value, dict):
+            for key in value:
+                if is_it(key):
+                    return path, key
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-    raise AssertionError("no non-finite number in the body")  # unreachable: parse_json found one
+    return None
