@@ -32,8 +32,8 @@ from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
 from .sync_config import SyncConfig
 from .weights import Matrix
 
-# the warm-up prompt's tokens: more than a prefill tile's (4 at most) and kernels.matmul.SPANNED_TOKENS,
-# so that a prompt's kernels, not only a decode step's, are ready
+# the warm-up prompt's tokens: two tiles of the longest prefill tile (4 tokens) and one token past them
+# (a strip), and above kernels.matmul.SPANNED_TOKENS: every kernel a prompt runs, not only a decode step's
 WARM_UP_TOKENS = 9
 
 

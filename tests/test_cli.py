@@ -176,7 +176,22 @@ def test_invalid_option_values(model_path, args, fragment):
     assert result.returncode == 2
 
 
+def test_a_prompt_that_is_not_utf8(model_path):
+    """Bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer could not encode them."""
+    result = dllama("inference", "--model", model_path, "--prompt", os.fsdecode(b"a\xffb"), "--steps", "2")
+    assert_one_line_error(result, "not valid UTF-8", "byte 0xff", only_line=False)
+
+
 # ------------------------------------------------------------------ chat
+
+
+def test_a_chat_line_that_is_not_utf8(model_path):
+    """Whatever the locale makes of stdin (strict here), such a line is the same one error line."""
+    env = {k: v for k, v in os.environ.items() if k != "DLLAMA_DEBUG"} | {"PYTHONIOENCODING": "utf-8:strict"}
+    result = subprocess.run([sys.executable, "-m", "dllama", "chat", "--model", model_path], input=b"hi \xff there\n",
+                            capture_output=True, timeout=300, env=env)
+    result = subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
+    assert_one_line_error(result, "not valid UTF-8", "byte 0xff", only_line=False)
 
 
 def test_chat_answers_each_piped_line(model_path, gguf_model, tokenizer, llama_ref):
@@ -211,12 +226,6 @@ def test_chat_answers_each_piped_line(model_path, gguf_model, tokenizer, llama_r
 
 
 # ------------------------------------------------------------------ perplexity
-
-
-def test_a_prompt_that_is_not_utf8(model_path):
-    """Bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer could not encode them."""
-    result = dllama("inference", "--model", model_path, "--prompt", os.fsdecode(b"a\xffb"), "--steps", "2")
-    assert_one_line_error(result, "not valid UTF-8", "byte 0xff", only_line=False)
 
 
 def test_perplexity_of_a_file_that_is_not_text(tmp_path, model_path):

@@ -117,13 +117,25 @@ def test_non_finite_numbers_are_400(server, path, raw, param):
 ], ids=["high-escape", "low-escape", "encoded-bytes", "completions", "second-prompt"])
 def test_lone_surrogates_are_400(server, path, raw, param):
     """A \\ud800 escape alone decodes to a string with no UTF-8 form: the tokenizer's encoding
-    failed on it (a 500). It is a 400 naming the field; a valid pair of escapes (an emoji) is text."""
+    failed on it (a 500). It is a 400 naming the field."""
     body = b'{"model": "m", "max_tokens": 1, "temperature": 0, ' + raw + b"}"
     status, _h, err = post(server, path, body)
     assert status == 400, err
     assert "surrogate" in assert_openai_error(err, "invalid_value", param)["message"]
-    emoji = b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
-    status, _h, ok = post(server, "/v1/chat/completions", emoji)
+
+
+def test_a_key_that_is_not_text_is_400(server):
+    """Named as a key, and found before a NaN whose field's name would hold it (no message that
+    cannot be sent back)."""
+    body = b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}], "x\\ud800": NaN}'
+    status, _h, err = post(server, "/v1/chat/completions", body)
+    assert status == 400, err
+    assert "a key holds a lone UTF-16 surrogate" in assert_openai_error(err, "invalid_value")["message"]
+
+
+def test_an_emoji_in_escapes_is_text(server):
+    body = b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+    status, _h, ok = post(server, "/v1/chat/completions", body)
     assert status == 200, ok
 
 

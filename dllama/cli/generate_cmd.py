@@ -79,6 +79,8 @@ async def _chat(system_prompt, max_tokens, opts):
         params = sampling_params(opts)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         interactive = sys.stdin.isatty()
+        if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 meet the tokenizer's clear error
+            sys.stdin.reconfigure(errors="surrogateescape")
         if interactive:
             info("chat: type a message, Enter to send; Ctrl-D or 'exit' to quit")
         while True:

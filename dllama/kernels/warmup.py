@@ -49,6 +49,9 @@ def warm_up(verbose: bool = False) -> float:
                     # (fresh activations: quantized for packed rows, not reused from the calls above)
                     matmul(PackedRows.pack(w, qtype), qtype, Activations(x))
                     matmul(PackedRows.pack(w, qtype), qtype, Activations(x), wide=True)
+                    primed = Activations(x)
+                    primed.q8  # Q8 first, as activations gathered as Q8 blocks: the tiles' layout made from it
+                    matmul(PackedRows.pack(w, qtype), qtype, primed)
         if qtype in PACKABLE:  # rows long enough to be walked span by span
             long_rows = PackedRows.pack(quantize(rng.standard_normal((8, 4096), dtype=np.float32), qtype), qtype)
             one_token = Activations(rng.standard_normal((1, 4096), dtype=np.float32))

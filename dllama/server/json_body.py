@@ -76,17 +76,19 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
         body = json.loads(text, parse_constant=constant, parse_float=number)
     except ValueError as e:  # JSONDecodeError; an integer of more than 4300 digits
         raise _invalid_json(e) from None
-    if found:
-        path, value = _find(body, lambda v: isinstance(v, _NonFinite))
-        raise bad_request(f"'{path}' is {value.text}; numbers must be finite (JSON has no NaN or Infinity, and "
-                          f"this server takes no number beyond ±1.8e308).", path or None)
+    # (text first: a name or message built from a key that is not text could not be sent back)
     if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
         lone = _find(body, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None)
         if lone is not None:
-            path, value = lone
+            path, value, is_key = lone
             char = _SURROGATE.search(value).group()
-            raise bad_request(f"'{path or '(a key)'}' holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is "
-                              "not text; strings must be valid Unicode.", path or None)
+            where = (f"a key of '{path}'" if path else "a key") if is_key else f"'{path}'" if path else "the body"
+            raise bad_request(f"{where} holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not text; "
+                              "strings must be valid Unicode.", path or None)
+    if found:
+        path, value, _key = _find(body, lambda v: isinstance(v, _NonFinite))
+        raise bad_request(f"'{path}' is {value.text}; numbers must be finite (JSON has no NaN or Infinity, and "
+                          f"this server takes no number beyond ±1.8e308).", path or None)
     return body
 
 
@@ -95,18 +97,18 @@ def _invalid_json(e: Exception) -> "APIError":
 
 
 def _find(body, is_it):
-    """(path, value) of the first value (or key) of the body that is_it, None if none; the path as
-    in `param`: messages[0].content. Iterative: the depth is already bounded, but no recursion is
-    needed."""
+    """(path, value, is_key) of the first value, or key (then path is its object's), of the body
+    that is_it, None if none; the path as in `param`: messages[0].content. Iterative: the depth is
+    already bounded, but no recursion is needed."""
     stack = [("", body)]
     while stack:
         path, value = stack.pop()
         if is_it(value):
-            return path, value
+            return path, value, False
         if isinstance(value, dict):
             for key in value:
                 if is_it(key):
-                    return path, key
+                    return path, key, True
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
