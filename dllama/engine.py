@@ -22,6 +22,8 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, DllamaError
 from .gguf_model import GGUFModel
+from .kernels.matmul import SPANNED_TOKENS
+from .kernels.simd_q8 import TILE_TOKENS
 from .kv_cache import round_capacity
 from .model import ShardModel, ShardWeights
 from .net.loop import new_event_loop
@@ -32,9 +34,9 @@ from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
 from .sync_config import SyncConfig
 from .weights import Matrix
 
-# the warm-up prompt's tokens: two tiles of the longest prefill tile (4 tokens) and one token past them
-# (a strip), and above kernels.matmul.SPANNED_TOKENS: every kernel a prompt runs, not only a decode step's
-WARM_UP_TOKENS = 9
+# the warm-up prompt's tokens: two prefill tiles and one token past them (a strip), and more than take
+# the one-token path over long rows: every kernel a prompt runs, not only a decode step's
+WARM_UP_TOKENS = max(2 * TILE_TOKENS, SPANNED_TOKENS) + 1
 
 
 @dataclass

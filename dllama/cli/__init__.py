@@ -57,12 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     except _NO_ARGS_IS_HELP as e:  # `dllama` alone: the help, as click shows it
         e.show()
         sys.exit(e.exit_code)
-    except click.UsageError as e:  # a bad option: click's own message, on one line like our errors
-        where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+    except click.ClickException as e:  # a bad option etc.: click's own message, on one line like our errors
+        ctx = getattr(e, "ctx", None)  # (a usage error's: which --help to read)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         click.echo(f"error: {e.format_message()}{where}", err=True)
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except DllamaError as e:
         click.echo(f"error: {e}", err=True)

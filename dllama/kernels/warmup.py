@@ -39,19 +39,20 @@ def warm_up(verbose: bool = False) -> float:
     for qtype in (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32):
         data = _read_only(quantize(values, qtype))
         column_slice = data[:, : data.shape[1] // 2]  # strided rows, as the root's own shard
+        packed = PackedRows.pack(data, qtype) if qtype in PACKABLE else None  # as every node holds these formats
         for w in (data, column_slice):
             cols = 128 if w is data else 64
             for T in TOKENS:
                 x = rng.standard_normal((T, cols), dtype=np.float32)
                 matmul(w, qtype, Activations(x))
                 matmul(w, qtype, Activations(x), wide=True)
-                if qtype in PACKABLE and w is data:  # as every node holds these formats
+                if packed is not None and w is data:
                     # (fresh activations: quantized for packed rows, not reused from the calls above)
-                    matmul(PackedRows.pack(w, qtype), qtype, Activations(x))
-                    matmul(PackedRows.pack(w, qtype), qtype, Activations(x), wide=True)
+                    matmul(packed, qtype, Activations(x))
+                    matmul(packed, qtype, Activations(x), wide=True)
                     primed = Activations(x)
                     primed.q8  # Q8 first, as activations gathered as Q8 blocks: the tiles' layout made from it
-                    matmul(PackedRows.pack(w, qtype), qtype, primed)
+                    matmul(packed, qtype, primed)
         if qtype in PACKABLE:  # rows long enough to be walked span by span
             long_rows = PackedRows.pack(quantize(rng.standard_normal((8, 4096), dtype=np.float32), qtype), qtype)
             one_token = Activations(rng.standard_normal((1, 4096), dtype=np.float32))
