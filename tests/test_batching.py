@@ -141,9 +141,10 @@ async def test_batched_requests_get_exactly_their_alone_answers(gguf_model, toke
 
 async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, tokenizer):
     """Prefill first: a request that arrives while others decode gets a step of prompt tokens
-    without their next tokens, unless the step before was such a step (the decoding ones then go
-    first: they advance at least every other step, however the arrivals follow each other). Every
-    answer is the one it gets alone."""
+    without their next tokens; so does one that arrives during such a step, while the prompt tokens
+    run since the decoding ones' last step stay within what a step beside them may carry
+    (max(64, 256 / D)): their wait is bounded however the arrivals follow each other. Every answer
+    is the one it gets alone."""
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:4]]
     alone_engine = LocalEngine(gguf_model, 256)
     alone = []
@@ -178,9 +179,21 @@ async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, 
     assert alone_steps, steps  # some arrival ran its prompt without the decoding sequences
     for k in sorted(first_steps.values())[1:]:
         assert not decodes(k) or not decodes(k - 1), (k, steps)  # alone, or right after a step that was
+    waits = []  # runs of steps without the decoding sequences, while some wait across them
     for k in range(1, len(steps)):
-        if someone_decodes_across(k) and not decodes(k - 1):
-            assert decodes(k), (k, steps)  # never two steps in a row without the decoding sequences
+        if someone_decodes_across(k) and not decodes(k):
+            if not waits or waits[-1][-1] != k - 1:
+                waits.append([])
+            waits[-1].append(k)
+    for run in waits:
+        decoding = len({slot for slot in first_steps if any(x[0] == slot and x[2] for e in steps[:run[0]] for x in e)
+                        and last_step[slot] > run[-1]})
+        prompt_tokens = sum(n for k in run for _slot, n, _decoding in steps[k])
+        assert prompt_tokens <= max(PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET // decoding), (run, steps)
+        for k in run[1:]:  # a later one for prompts that arrived meanwhile, whole: they decode after the run
+            for slot, _n, _decoding in steps[k]:
+                assert first_steps[slot] == k and any(x[0] == slot and x[2] for x in steps[run[-1] + 1]), (k, steps)
+    assert max(map(len, waits)) >= 2, steps  # arrivals during a prompt's step went next, not beside the decoders
 
 
 async def test_a_conversation_continues_in_its_slot(gguf_model, tokenizer):
