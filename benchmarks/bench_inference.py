@@ -5,8 +5,9 @@ For each thread count, each side runs in its own subprocess (so peak RSS is each
 measures
 - prefill: tokens/s of one forward pass over a ~128-token prompt (logits of the last token only),
 - decode: tokens/s of single-token forward passes (greedy), from the median time per token.
-dllama is measured in-process through `LocalEngine.feed`; llama.cpp through `Llama.eval`
-(flash attention off, as our numerics follow its non-flash path). With --llama-no-repack, llama.cpp
+dllama is measured in-process through `LocalEngine.feed`, computing on the caller's loop as
+`dllama inference` does; llama.cpp through `Llama.eval` (flash attention off, as our numerics
+follow its non-flash path). With --llama-no-repack, llama.cpp
 also runs with its weight repacking off (on AVX2 it repacks Q4_0, IQ4_NL, Q4_K and Q2_K into 8-row
 interleaved blocks whose decode keeps one float lane per row; without it, it runs the per-row dot
 products whose order our kernels follow). The machine may be shared, so the sides are interleaved
@@ -52,8 +53,7 @@ def _peak_rss_mb() -> float:
 
 
 def measure_dllama(path: str, threads: int, prompt: list[int], decode: int, repeats: int) -> dict:
-    import asyncio
-
+    from dllama.cli.common import run_async
     from dllama.engine import LocalEngine
     from dllama.gguf_model import GGUFModel
     from dllama.kernels import set_threads
@@ -61,7 +61,7 @@ def measure_dllama(path: str, threads: int, prompt: list[int], decode: int, repe
 
     set_threads(threads)
     greedy = SamplingParams(temperature=0.0)
-    engine = LocalEngine(GGUFModel(path), len(prompt) + decode + 8)
+    engine = LocalEngine(GGUFModel(path), len(prompt) + decode + 8, compute_here=True)  # as `dllama inference` runs it
     sampler = Sampler(greedy)
 
     async def run():
@@ -80,7 +80,7 @@ def measure_dllama(path: str, threads: int, prompt: list[int], decode: int, repe
                 steps.append(time.perf_counter() - t0)
         return prefill, steps
 
-    prefill, steps = asyncio.run(run())
+    prefill, steps = run_async(run())
     return {"prefill": prefill, "steps": steps, "peak_rss_mb": _peak_rss_mb()}
 
 

@@ -157,6 +157,9 @@ class Batcher:
                     done = s.finish(engine.stats, "error", _internal_error(e))
                 if done:
                     self._leave(s)
+            # the loop's turn between steps, which need not suspend (an engine computing on this loop):
+            # a Ctrl-C's cancellation, a caller gone, a new request are seen before the next one
+            await asyncio.sleep(0)
 
     def _leave(self, s: Stream) -> None:
         self.active.remove(s)

@@ -7,9 +7,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import jinja2
 import numpy as np
@@ -88,6 +90,30 @@ def test_inference_streams_prompt_and_text(inference_json, model_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == PROMPT + report["text"] + "\n"
     assert "tok/s" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_stops_a_generation_and_keeps_its_text(model_path):
+    """Ctrl-C mid-answer: exit 130 within a step or so, the text so far printed (the engine computes
+    on the command's own loop, so the batching loop must give it a turn between steps)."""
+    prompt = "The history of the city of Paris began"  # greedy: no end of text for well over 1500 tokens
+    env = {k: v for k, v in os.environ.items() if k != "DLLAMA_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "dllama", "inference", "-m", model_path, "-p", prompt, "-n", "1500",
+                             "--temperature", "0", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        got = b""
+        while len(got) < len(prompt) + 40:  # the answer is streaming
+            chunk = proc.stdout.read1(4096)
+            assert chunk, proc.stderr.read().decode()
+            got += chunk
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert time.monotonic() - sent < 5, "Ctrl-C waited for the generation to end"
+    assert (got + rest).decode().startswith(prompt) and b"Traceback" not in err, err.decode()
 
 
 # ------------------------------------------------------------------ errors

@@ -3,6 +3,8 @@ requests, context limits, end of generation, UTF-8-safe streaming, chat template
 
 from __future__ import annotations
 
+import threading
+
 import jinja2
 import pytest
 
@@ -128,6 +130,29 @@ async def test_extended_prompt_equals_a_fresh_engine(new_generator, tokenizer):
     fresh = await new_generator().generate(first_prompt + extra, GREEDY, 12)
     assert fresh.prefill_tokens == len(first_prompt + extra)
     assert second.tokens == fresh.tokens and second.text == fresh.text
+
+
+async def test_compute_here_runs_steps_on_the_callers_thread(gguf_model, tokenizer):
+    """The CLI's engine computes where it is asked (no hop to a thread of its own and back); the
+    API server's keeps its own thread. Same tokens either way."""
+    prompt = tokenizer.encode("The capital of France is")
+    answers = {}
+    for here in (True, False):
+        engine = LocalEngine(gguf_model, 128, compute_here=here)
+        threads = set()
+        forward = engine._forward
+
+        async def recorded(*args):
+            threads.add(threading.get_ident())
+            return await forward(*args)
+
+        engine._forward = recorded
+        try:
+            answers[here] = (await Generator(engine, tokenizer).generate(prompt, GREEDY, 6)).tokens
+        finally:
+            await engine.close()
+        assert (threads == {threading.get_ident()}) == here, (here, threads)
+    assert answers[True] == answers[False]
 
 
 async def test_diverging_request_rewinds_the_cache(new_generator, gguf_model, tokenizer):

@@ -133,7 +133,9 @@ def _parse_weights(text: str | None):
     return weights
 
 
-async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
+async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = False) -> Runtime:
+    """The engine and tokenizer the options ask for. compute_here: the engine computes on this loop,
+    for a command that has nothing to answer during a step (serve's loop must stay responsive)."""
     from ..engine import LocalEngine
     from ..gguf_model import GGUFModel
     from ..kernels import set_threads
@@ -176,7 +178,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
             engine = await ClusterEngine(
                 model, ctx, workers, sync=sync, weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
                 timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True),
-                browser=browser, slots=slots, kv_budget=kv_budget).start()  # the engine owns the browser from here
+                browser=browser, slots=slots, kv_budget=kv_budget, compute_here=compute_here).start()  # the engine owns the browser from here
         except BaseException:
             if browser is not None:
                 await browser.close()  # closing twice is harmless
@@ -184,7 +186,7 @@ async def open_runtime(opts: dict, quiet: bool = False) -> Runtime:
                 local.stop()
             raise
     else:
-        engine = LocalEngine(model, ctx, sync, slots, kv_budget)
+        engine = LocalEngine(model, ctx, sync, slots, kv_budget, compute_here)
     await engine.warm_up()
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "

@@ -31,7 +31,7 @@ def inference(prompt, steps, stop, as_json, **opts):
 
 
 async def _inference(prompt, steps, stop, as_json, opts):
-    rt = await open_runtime(opts, quiet=as_json)
+    rt = await open_runtime(opts, quiet=as_json, compute_here=True)
     try:
         ids = rt.tokenizer.encode(prompt)
         if len(ids) > rt.engine.ctx_size:
@@ -71,7 +71,7 @@ def chat(system_prompt, max_tokens, **opts):
 
 
 async def _chat(system_prompt, max_tokens, opts):
-    rt = await open_runtime(opts)
+    rt = await open_runtime(opts, compute_here=True)
     try:
         if not rt.tokenizer.has_chat_template:
             raise DllamaError("this model has no chat template; use `dllama inference`")
@@ -119,7 +119,7 @@ def perplexity(text_file, max_tokens, as_json, **opts):
 
 async def _perplexity(text_file, max_tokens, as_json, opts):
     text = read_text_file(text_file)
-    rt = await open_runtime(opts, quiet=as_json)
+    rt = await open_runtime(opts, quiet=as_json)  # its own thread computes: a Ctrl-C needs no turn of ours
     try:
         ids = rt.tokenizer.encode(text)
         if max_tokens:
