@@ -22,10 +22,10 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
 - Prefill first: once a request's prompt is to begin, the next step carries prompt tokens alone,
   without the decoding sequences. Its first token then waits for the step in flight and its own
   prompt, not also for the others' next tokens: on a CPU a step costs about its tokens' compute,
-  so those would add ~D tokens' worth. A prompt that arrives during such a step gets the next one
-  too, as long as the prompt tokens run since the decoders' last step stay within the same
+  so those would add ~D tokens' worth. Prompts that arrive during such a step get the next one
+  too, whole, as long as the prompt tokens run since the decoders' last step stay within the same
   max(`prefill_chunk`, 256 / D) a mixed step may carry: the decoding streams wait no longer than
-  beside a chunk, and pay one step's fixed cost per arrival.
+  beside a chunk, and pay one step's fixed cost per arrival. (A longer one goes beside them.)
   Measured against merging them (benchmarks/bench_serve.py, sustained load, SmolLM2, 2 threads,
   three runs, 8 users): time to first token p50 18-30% lower, p95 5-20%; the aggregate -8% to +8%,
   within this machine's run-to-run noise. Before a second such step was allowed, the slowest
@@ -167,19 +167,21 @@ class Batcher:
         self.last_used[s.slot] = time.monotonic()
 
     def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
-        """This step's sequences: every decoding one's next token, then prompt chunks; or prompt
-        chunks alone, when a prompt is about to begin (prefill first) and the last step was not so."""
+        """This step's sequences: every decoding one's next token, then prompt chunks; or, when a
+        prompt is about to begin (prefill first), prompt tokens alone, within the decoders' delay."""
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
         # prompt tokens delay every decoding stream's next token: a few streams can wait for more
         delay = max(self.prefill_chunk, PREFILL_DELAY_BUDGET // len(decoding)) if decoding else 0
-        # prefill first: a prompt about to begin (nothing of it computed yet) goes without the decoders,
-        # and so does the next one while the decoders' wait stays within the same delay
-        starting = [len(s.pending) for s in self.active
+        # prefill first: a prompt about to begin (nothing of it computed yet) goes without the decoders;
+        # so do prompts that arrive meanwhile, whole, while the decoders' wait stays within that delay
+        starting = [s for s in self.active
                     if not s.decoding and s.share_from is None and s.out.prefill_tokens == len(s.pending)]
         left = delay - self._alone_tokens
-        alone = bool(starting) and left > 0 and (not self._alone_tokens or min(starting) <= left)
+        shortest = min((len(s.pending) for s in starting), default=0)
+        alone = bool(starting) and left > 0 and (not self._alone_tokens or shortest <= left)
+        later = alone and self._alone_tokens > 0  # (only whole starting prompts: each gets its first token)
         if not alone:
             self._alone_tokens = 0
         for s in [] if alone else decoding:
@@ -187,10 +189,11 @@ class Batcher:
             seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
             fed.append(1)
         room = MAX_STEP_TOKENS - len(seqs)
-        prefill = min(room, delay - self._alone_tokens) if decoding else room
+        prefill = min(room, delay - self._alone_tokens) if decoding else room  # (all of it, beside the decoders)
         planned = {}  # the prompt tokens each stream computes in this step
         for s in self.active:
-            if s.decoding or prefill <= 0 or (s.share_from is not None and not self._take_shared_start(s, planned)):
+            if s.decoding or prefill <= 0 or (later and (s not in starting or len(s.pending) > prefill)) or (
+                    s.share_from is not None and not self._take_shared_start(s, planned)):
                 continue
             n = min(len(s.pending), prefill)
             last = n == len(s.pending)

@@ -5,10 +5,10 @@ on this process alone (`LocalEngine`) or across a cluster (`dllama.cluster`) is 
 
 One threading model on every node: a node computes on the thread that runs its network loop,
 so a step's sync points are awaited where the kernels run (no thread hop per layer). A worker's
-main loop is that thread. The root's engine runs its own (`ComputeThread`) under the API server,
-whose loop hands it each step and stays responsive meanwhile; under `inference` and `chat`, which
-have nothing to answer during a step, it computes on the caller's loop (`CallerCompute`): the hop
-to another thread and back cost 0.5-1 ms a decode step.
+main loop is that thread. The root's engine runs its own (`ComputeThread`): the front end (the
+API server, chat) hands it each step and its own loop stays responsive meanwhile. A model run alone
+under `inference` or `chat`, with nothing to answer during a step, computes on the caller's loop
+instead (`CallerCompute`): the hop to another thread and back cost 0.5-1 ms a decode step.
 """
 
 from __future__ import annotations

@@ -196,6 +196,37 @@ async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, 
     assert max(map(len, waits)) >= 2, steps  # arrivals during a prompt's step went next, not beside the decoders
 
 
+async def test_a_later_prompt_step_takes_only_whole_prompts(gguf_model, tokenizer):
+    """While a prompt runs without the decoding sequences, a long prompt and then a short one
+    arrive: the next step without them carries the short one whole (its first token), and the long
+    one goes beside them in chunks; it does not take that step's room and leave both unanswered."""
+    engine = LocalEngine(gguf_model, 512, slots=7)
+    steps = RecordedSteps(engine)
+    generator = Generator(engine, tokenizer)
+    texts = ["One two three", "Red green blue", "North south east", "Spring summer autumn", "Cats and dogs"]
+    short = [tokenizer.encode(t) for t in texts]
+    long_prompt = tokenizer.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 12))
+    assert len(long_prompt) > PREFILL_CHUNK_WHILE_DECODING
+
+    async def after(prompt, n_steps, max_tokens):
+        await steps.reached(n_steps)
+        return await generator.generate(prompt, GREEDY, max_tokens)
+
+    last = tokenizer.encode("Blue sky")
+    await asyncio.gather(*(after(p, 0, 24) for p in short[:4]),  # four decode
+                         after(short[4], 3, 4),  # its prompt goes alone in step 3
+                         after(long_prompt, 4, 2), after(last, 4, 2))  # both during step 3, the long one first
+    long_slot, last_slot = (next(i for i, c in enumerate(engine.contexts) if c[:len(p)] == p)
+                            for p in (long_prompt, last))
+    first = {}  # slot -> index of its first step
+    for k, entries in enumerate(steps):
+        for slot, _n, _decoding in entries:
+            first.setdefault(slot, k)
+    assert not any(decoding for _slot, _n, decoding in steps[3]), steps[:6]
+    assert [slot for slot, _n, _decoding in steps[4]] == [last_slot], steps[:6]  # whole, still without them
+    assert any(decoding for _slot, _n, decoding in steps[5]) and first[long_slot] == 5, steps[:6]  # beside them
+
+
 async def test_a_conversation_continues_in_its_slot(gguf_model, tokenizer):
     """A request that extends an earlier one (its next turn) takes the slot that holds it and
     computes only its new tokens, while another conversation holds the other slot."""

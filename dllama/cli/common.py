@@ -134,8 +134,10 @@ def _parse_weights(text: str | None):
 
 
 async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = False) -> Runtime:
-    """The engine and tokenizer the options ask for. compute_here: the engine computes on this loop,
-    for a command that has nothing to answer during a step (serve's loop must stay responsive)."""
+    """The engine and tokenizer the options ask for. compute_here: a model run alone computes on this
+    loop, for a command with nothing to answer during a step (serve's loop must stay responsive). A
+    cluster's root keeps its compute thread: its connections keep their heartbeats even while this
+    loop is blocked writing to a paused terminal, and its sync costs far more than the hop."""
     from ..engine import LocalEngine
     from ..gguf_model import GGUFModel
     from ..kernels import set_threads
@@ -178,7 +180,7 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
             engine = await ClusterEngine(
                 model, ctx, workers, sync=sync, weights=_parse_weights(opts.get("node_weights")), secret=opts.get("secret"),
                 timeout=opts.get("timeout", 30.0), progress=not quiet, recover=opts.get("recover", True),
-                browser=browser, slots=slots, kv_budget=kv_budget, compute_here=compute_here).start()  # the engine owns the browser from here
+                browser=browser, slots=slots, kv_budget=kv_budget).start()  # the engine owns the browser from here
         except BaseException:
             if browser is not None:
                 await browser.close()  # closing twice is harmless

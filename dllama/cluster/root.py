@@ -46,9 +46,8 @@ class ClusterEngine(Engine):
     def __init__(self, model: GGUFModel, ctx_size: int, workers: list[tuple[str, int]], *,
                  sync: SyncConfig = SyncConfig(), weights: list[float] | str | None = None,
                  secret: str | None = None, timeout: float = 30.0, spin: float | None = None, progress: bool = True,
-                 recover: bool = True, browser=None, slots: int = 1, kv_budget: int | None = None,
-                 compute_here: bool = False):
-        super().__init__(slots, kv_budget, compute_here)
+                 recover: bool = True, browser=None, slots: int = 1, kv_budget: int | None = None):
+        super().__init__(slots, kv_budget)
         self.requested_sync = sync
         self.sync = sync  # settled per session (--sync-mode auto: from the measured links)
         self.sync_choice: dict | None = None  # what auto settled on, and why
