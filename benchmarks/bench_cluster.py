@@ -109,7 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--nodes", default="1,2,3,4", help="node counts (root included)")
-    ap.add_argument("--algos", default="star,ring")
+    ap.add_argument("--algos", default="auto,star,ring", help="all-reduce algorithms; auto (the CLI's default) lets "
+                    "the cost model pick per call")
     ap.add_argument("--modes", default="reduce", help="sync modes: reduce, gather, auto")
     ap.add_argument("--dtype", default=None, help="sync dtype (default: the mode's: f32 reduce, q80 gather)")
     ap.add_argument("--pin", action="store_true", help="one process per node, each pinned to its own core")

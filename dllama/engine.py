@@ -96,8 +96,8 @@ class ComputeThread:
 
 
 class CallerCompute:
-    """ComputeThread's stand-in when the caller's own loop computes: steps are awaited where they
-    are asked for, and a cluster's connections live on that loop."""
+    """ComputeThread's stand-in for a model run alone on the caller's own loop: each step is awaited
+    where it is asked for, with no hop to another thread and back."""
 
     def __init__(self):
         self._stopping = False
