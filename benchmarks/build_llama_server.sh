@@ -2,7 +2,8 @@
 # Build llama.cpp's llama-server (the anchor of benchmarks/bench_serve.py) from the llama.cpp sources
 # vendored in the llama-cpp-python sdist of the version pyproject.toml pins, into
 # benchmarks/.llama-server/ (git-ignored, built once, a few minutes): the same llama.cpp the
-# correctness tests compare with, native CPU flags, no CURL.
+# correctness tests compare with, native CPU flags (on x86 without AMX, as the Makefile builds
+# llama-cpp-python: llama.cpp's AMX matmul crashes on some Sapphire Rapids machines), no CURL.
 set -eu
 cd "$(dirname "$0")/.."
 TARGET=benchmarks/.llama-server
@@ -15,7 +16,12 @@ trap 'rm -rf "$WORK"' EXIT
 "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --dest "$WORK" "llama-cpp-python==$VERSION"
 tar -xzf "$WORK"/llama_cpp_python-*.tar.gz -C "$WORK"
 SRC=$(echo "$WORK"/llama_cpp_python-*/vendor/llama.cpp)
-cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+case "$(uname -m)" in
+    x86_64|amd64) NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;;
+    *) NO_AMX="" ;;
+esac
+CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$WORK/build" --target llama-server -j "$(nproc)" >&2
 mkdir -p "$TARGET/bin"
