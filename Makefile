@@ -5,8 +5,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 # llama.cpp's AMX matmul crashes on some Sapphire Rapids machines (llama.cpp issue 20824: its tile
-# configuration is optimized away), so on x86 it is built without AMX, taking its AVX-512 paths.
-NO_AMX    := $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+# configuration is optimized away), so it is built without AMX wherever the compiler knows the flags
+# (x86 with GCC 11+ or clang: -march=native keeps the other features, AVX-512 where the CPU has it)
+AMX_OFF   := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+NO_AMX    := $(shell cc $(AMX_OFF) -E -x c /dev/null >/dev/null 2>&1 && echo '$(AMX_OFF)')
 LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: install model chat test aarch64 reference-avx2 browser bench bench-deps clean
@@ -14,9 +16,11 @@ LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproje
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# llama-cpp-python builds from source here (a few minutes, once); a build with AMX is redone without it
-	$(BIN)/python -c 'import llama_cpp, sys; sys.exit(b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' \
-	    2>/dev/null || CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" \
+	# llama-cpp-python builds from source here (a few minutes, once); a build with AMX, or of another
+	# version than the pinned one, is redone (without AMX; not from pip's cache, which may hold one with it)
+	$(BIN)/python -c 'import llama_cpp, sys; sys.exit("$(LLAMA_CPP)" != "llama-cpp-python==" + llama_cpp.__version__ \
+	    or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null \
+	    || CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" \
 	    $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps '$(LLAMA_CPP)'
 	$(BIN)/python -m pip install --quiet -e '.[root,test]'
 	$(BIN)/python -m dllama.kernels.warmup

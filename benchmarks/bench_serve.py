@@ -237,7 +237,7 @@ def main() -> None:
 
     model = resolve_model(args.model)
     servers = args.servers.split(",")
-    if "llama-server" in servers and not os.path.exists(LLAMA_SERVER):
+    if "llama-server" in servers:  # built once (the script returns at once after that)
         subprocess.run(["sh", os.path.join(HERE, "build_llama_server.sh")], check=True)
     clients = [int(c) for c in args.clients.split(",")]
     runs: dict[tuple[str, str, int], list[dict]] = {}
