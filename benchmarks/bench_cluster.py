@@ -10,7 +10,9 @@ Every configuration runs the real CLI (`dllama inference --local-workers N --jso
 share this machine's cores: the figures show the overheads of the protocol and the sync layer,
 not the speed-up that separate machines give. With --pin each node is its own process pinned to
 one core (taskset: the root on core 0, worker i on core i), so 2 nodes on 2 cores compute as two
-machines would. Mode `auto` lets the root choose (the row says what it chose).
+machines would, and a last line gives their ceiling here: one process with all the nodes' threads on
+those cores (cores that share one memory bus give it well under N times one core's speed). Mode `auto`
+lets the root choose (the row says what it chose).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def start_workers(n: int, threads: int) -> list[tuple[subprocess.Popen, str]]:
 
 
 def run(model: str, workers: int, mode: str, algo: str, dtype: str | None, steps: int, threads: int,
-        pin: bool = False) -> dict:
+        pin: bool = False, cores: str | None = None) -> dict:
     cmd = DLLAMA + ["inference", "--model", model, "--prompt", "The history of the lighthouse", "--steps",
                     str(steps), "--temperature", "0", "--sync-mode", mode, "--sync", algo,
                     "--threads", str(threads), "--json"] + (["--sync-dtype", dtype] if dtype else [])
@@ -93,6 +95,8 @@ def run(model: str, workers: int, mode: str, algo: str, dtype: str | None, steps
     try:
         if started:
             cmd = pinned(0, cmd + ["--workers", ",".join(address for _, address in started)])
+        elif cores:  # one node on these cores (taskset -c syntax)
+            cmd = ["taskset", "-c", cores, *cmd]
         elif workers:
             cmd += ["--local-workers", str(workers)]
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -141,8 +145,15 @@ def main() -> None:
                                 r["ms_per_token"].items()}, "sent_per_token": r["bytes_per_token"]["sent"],
                              "formula_per_token": expect, "root_peak_rss_mb": r["peak_rss_mb"],
                              "workers": r.get("workers", [])})
+    # With --pin, the ceiling of a split on this machine: one process with every pinned node's threads on
+    # their cores (where the cores share a memory bus, well under N x one core)
+    most = max(row["nodes"] for row in rows)
+    ceiling = None
+    if args.pin and most > 1 and most <= (os.cpu_count() or 1):
+        r = run(model, 0, "reduce", "star", None, args.steps, args.threads * most, cores=f"0-{most - 1}")
+        ceiling = {"nodes": 1, "threads": args.threads * most, "cores": most, "tok_s": r["tokens_per_s"]}
     if args.json:
-        print(json.dumps({"model": os.path.basename(model), "rows": rows}))
+        print(json.dumps({"model": os.path.basename(model), "rows": rows, "one_node_all_cores": ceiling}))
         return
     print(f"model {os.path.basename(model)}: dim {cfg.dim}, {cfg.n_layers} layers; "
           f"{args.threads} thread(s) per node, all nodes on this machine"
@@ -157,6 +168,11 @@ def main() -> None:
               f"{row['ms_total']:>7.1f} "
               f"{row['ms_compute']:>8.1f} {row['ms_sync']:>7.1f} {row['sent_per_token']:>15.0f} "
               f"{formula:>9} {row['root_peak_rss_mb']:>9.0f}  {worker_rss}")
+    one = next((row["tok_s"] for row in rows if row["nodes"] == 1), None)
+    if ceiling is not None:
+        versus = f" ({ceiling['tok_s'] / one:.2f}x the 1-node row)" if one else ""
+        print(f"ceiling: 1 node with {ceiling['threads']} threads on cores 0-{most - 1}: {ceiling['tok_s']:.1f} tok/s"
+              f"{versus}: what these cores give together, the most a {most}-node split can expect here")
 
 
 if __name__ == "__main__":
