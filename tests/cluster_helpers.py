@@ -161,15 +161,25 @@ class HandRoot:
                                   heartbeat=self.timeout / 4, max_frame=P.MAX_SETUP)
 
     async def send_setup(self, body: dict) -> tuple[str, dict]:
-        """Connect and send a SETUP body; the worker's answer (NEED or FAILED). Like a real root,
-        it tries again while the worker is still closing the previous session ("busy")."""
+        """Connect and send a SETUP body; the worker's answer (NEED or FAILED)."""
+        return await self._opening(P.SETUP, body, P.NEED)
+
+    async def probe(self) -> None:
+        """Connect and PROBE, as a root does before it plans; fails the test unless PROBED comes back."""
+        kind, reply = await self._opening(P.PROBE, M.Probe().to_wire(), P.PROBED)
+        assert kind == P.PROBED.name, reply
+
+    async def _opening(self, kind, body: dict, answer) -> tuple[str, dict]:
+        """Connect, send the session's first message and return the worker's answer (`answer` or
+        FAILED). Like a real root, it tries again while the worker is still closing the previous
+        session ("busy"), as it is for a moment after another test's root hung up."""
         deadline = asyncio.get_running_loop().time() + 10
         while True:
             await self.connect()
-            await self.conn.send_msg(P.SETUP, body)
-            kind, reply = await self.reply(P.NEED)
+            await self.conn.send_msg(kind, body)
+            got, reply = await self.reply(answer)
             if "busy" not in reply.get("error", "") or asyncio.get_running_loop().time() > deadline:
-                return kind, reply
+                return got, reply
             await self.close()
             await asyncio.sleep(0.01)
 

@@ -378,19 +378,6 @@ class PostHandshakeFuzzer:
         finally:
             await self._end()
 
-    async def _probed(self) -> None:
-        """Connected, PROBE answered (retried while the worker still closes the last session)."""
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:
-            await self.root.connect()
-            await self.root.conn.send_msg(P.PROBE, M.Probe().to_wire())
-            kind, reply = await self.root.reply(P.PROBED)
-            if kind == P.PROBED.name:
-                return
-            assert "busy" in reply["error"] and asyncio.get_running_loop().time() < deadline, reply
-            await self.root.close()
-            await asyncio.sleep(0.01)
-
     async def echo_message(self) -> None:
         """An ECHO (the root timing its link), mutated, after PROBE where the protocol has it, or
         before PROBE or after SETUP where it has not: the worker sends back what the schema accepts
@@ -404,7 +391,7 @@ class PostHandshakeFuzzer:
             if phase == "before PROBE":
                 await root.connect()
             else:
-                await self._probed()
+                await root.probe()
             if phase == "after SETUP":
                 await root.conn.send_msg(P.SETUP, M.to_wire(root.setup()))
                 kind, reply = await root.reply(P.NEED)

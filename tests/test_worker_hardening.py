@@ -160,11 +160,10 @@ def test_echoes_are_answered_bounded_in_size_and_number(worker, model, answer):
     payload = bytes(range(256)) * (P.ECHO_BYTES // 256)
 
     async def session(echoes: int, size: int = 8):
-        conn = await connect("127.0.0.1", worker.port, role="control", timeout=10, max_frame=P.MAX_SETUP)
+        root = HandRoot(model, _address(worker), timeout=10)
         try:
-            await conn.send_msg(P.PROBE, M.Probe().to_wire())
-            await conn.recv_msg(P.PROBED, timeout=10)
-            back = []
+            await root.probe()
+            conn, back = root.conn, []
             for _ in range(echoes):
                 await conn.send_msg(P.ECHO, {"payload": payload[:size] if size <= len(payload) else bytes(size)})
                 kind, body = await conn.recv_msg((P.ECHO, P.FAILED), timeout=10)
@@ -173,7 +172,7 @@ def test_echoes_are_answered_bounded_in_size_and_number(worker, model, answer):
                 back.append(body["payload"])
             return back, None
         finally:
-            await conn.close()
+            await root.close()
 
     async def probe():
         return (await session(2, P.ECHO_BYTES), await session(P.MAX_ECHOES + 1),
@@ -185,20 +184,19 @@ def test_echoes_are_answered_bounded_in_size_and_number(worker, model, answer):
     assert tokens == answer and worker.proc.poll() is None
 
 
-async def _oversized_echo(port: int) -> str:
-    conn = await connect("127.0.0.1", port, role="control", timeout=10, max_frame=P.MAX_SETUP)
+async def _oversized_echo(model, address: tuple[str, int]) -> str:
+    root = HandRoot(model, address, timeout=10)
     try:
-        await conn.send_msg(P.PROBE, M.Probe().to_wire())
-        await conn.recv_msg(P.PROBED, timeout=10)
-        await conn.send_msg(P.ECHO, {"payload": bytes(P.ECHO_BYTES + 1)})
-        kind, body = await conn.recv_msg((P.ECHO, P.FAILED), timeout=10)
+        await root.probe()
+        await root.conn.send_msg(P.ECHO, {"payload": bytes(P.ECHO_BYTES + 1)})
+        kind, body = await root.reply(P.ECHO)
         return body.get("error", kind)
     finally:
-        await conn.close()
+        await root.close()
 
 
 def test_an_echo_over_its_bound_is_refused(worker, model, answer):
-    error = asyncio.run(_oversized_echo(worker.port))
+    error = asyncio.run(_oversized_echo(model, _address(worker)))
     assert "cluster.echo" in error and str(P.ECHO_BYTES) in error, error
     assert asyncio.run(root_answer(model, _address(worker), PROMPT, N_TOKENS)) == answer
 
@@ -333,7 +331,7 @@ def _big_setup(port: int, *, dim: int, n_layers: int, vocab: int, ffn: int, head
                    ctx_size=64, manifest=manifest)
 
 
-def test_a_slice_larger_than_the_available_memory_is_refused(worker):
+def test_a_slice_larger_than_the_available_memory_is_refused(worker, model):
     """Without --max-memory: a SETUP declaring twice this machine's available memory (the issue
     declared 4 GiB on a smaller machine) is refused before anything is allocated."""
     available = mem_available()
@@ -344,19 +342,9 @@ def test_a_slice_larger_than_the_available_memory_is_refused(worker):
     assert setup.declared_bytes() > 2 * available
     rss = worker.rss_mb()
 
-    async def probe():
-        conn = await connect("127.0.0.1", worker.port, role="control", timeout=5, max_frame=P.MAX_SETUP)
-        try:
-            await conn.send_msg(P.SETUP, M.to_wire(setup))
-            return await conn.recv_msg((P.NEED, P.FAILED), timeout=5)
-        finally:
-            await conn.close()
-
-    kind, body = asyncio.run(probe())
-    assert kind == P.FAILED.name and re.search(r"need \d+ MB, more than the \d+ MB this worker has available",
-                                               body["error"]), body
-    print(f"\ndeclared {setup.declared_bytes() / 2**30:.1f} GiB, available {available / 2**30:.1f} GiB: "
-          f"{body['error']}")
+    error = asyncio.run(_refused(HandRoot(model, _address(worker)), M.to_wire(setup)))
+    assert re.search(r"need \d+ MB, more than the \d+ MB this worker has available", error), error
+    print(f"\ndeclared {setup.declared_bytes() / 2**30:.1f} GiB, available {available / 2**30:.1f} GiB: {error}")
     assert worker.rss_mb() < rss + 10 and worker.proc.poll() is None
 
 
