@@ -218,6 +218,11 @@ _X86_AVX512 = _X86_AVX2 and "+avx512vl" in _HOST_FEATURES and "DLLAMA_AVX2_ONLY"
 # without maddubs' 16-bit saturation, and adds into an accumulator: llama.cpp uses it where present.
 # The integer sums are the same either way.
 X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
+# AVX-512 with VNNI and BW: the K-quants' quad dots two runs at a time, on 512-bit registers
+# (scaled_quad_dot_runs). Measured on Intel (Sapphire Rapids); AMD's Zen 4 runs each 512-bit multiply
+# as two 256-bit ones (two runs: four where the 256-bit path takes three), so AMD keeps that path
+_CPU_NAME = numba_config.CPU_NAME or llvm_binding.get_host_cpu_name()
+X86_WIDE_RUNS = X86_VNNI and "+avx512bw" in _HOST_FEATURES and not _CPU_NAME.startswith("znver")
 # Without VNNI an x86 quad dot is maddubs + madd, unsigned x signed: signed weights cost two psigns more
 X86_MADDUBS = _X86_AVX2 and not X86_VNNI
 # AVX-512 gives 32 vector registers (16 with AVX2): room for a prefill tile of 16 accumulators
@@ -369,6 +374,30 @@ def scaled_quad_dot_pair(builder, w_a, x_a, w_b, x_b, scales, acc):
     interleaved = builder.shuffle_vector(quads[0], quads[1], const_vec(I32, lows))
     dpwssd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpwssd.256", vec(I32, 8), [vec(I32, 8)] * 3)
     return builder.call(dpwssd, [acc, builder.bitcast(interleaved, vec(I32, 8)), builder.bitcast(scales, vec(I32, 8))])
+
+
+def run_pair_scales_wide(builder, table, a: tuple[int, int], b: tuple[int, int]):
+    """For scaled_quad_dot_runs: i32 lane k of 16 = as i16 pair (scale, 0), the scale of run a (lanes
+    0-7) or b (lanes 8-15), each run's (first 4 lanes, last 4) entries of a scale_table (x86: i16)."""
+    zero = table.type.count  # an entry of the zero vector beside the table
+    entries = [a[0]] * 4 + [a[1]] * 4 + [b[0]] * 4 + [b[1]] * 4
+    zeros = ir.Constant(table.type, [0] * table.type.count)
+    return builder.shuffle_vector(table, zeros, const_vec(I32, [i for e in entries for i in (e, zero)]))
+
+
+def scaled_quad_dot_runs(builder, w_runs, x_runs, scales, acc):
+    """acc (<16 x i32>) + the scaled quad dots of two runs side by side (w_runs, x_runs: <64 x i8>, run
+    a's 32 bytes then run b's; unsigned weights below 64, activations of magnitude at most 127): one
+    512-bit vpdpbusd gives run a's 8 quad dots in lanes 0-7 and b's in 8-15, each within 16 bits, and
+    one vpdpwssd multiplies each by its scale (run_pair_scales_wide: the pair (scale, 0), so a lane's
+    upper half, its sign, is multiplied by 0) and adds it. Lane k + 8 holds run b's part of the
+    scaled_quad_dot lane k of run a: the two halves summed give its integers exactly."""
+    v16 = vec(I32, 16)
+    dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+    quads = builder.call(dpbusd, [ir.Constant(v16, [0] * 16), builder.bitcast(w_runs, v16),
+                                  builder.bitcast(x_runs, v16)])
+    dpwssd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16, [v16] * 3)
+    return builder.call(dpwssd, [acc, quads, builder.bitcast(scales, v16)])
 
 
 def pair_sums(builder, v):

@@ -17,23 +17,28 @@ from functools import partial
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, InLanes, block_intrinsics,
-                   concat, const_vec, fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics, pair_products,
-                   pair_sums, run_pair_scales, run_scales, scale_table, scaled_quad_dot, scaled_quad_dot_pair, splat,
-                   vec)
+from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, X86_WIDE_RUNS, InLanes,
+                   block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics,
+                   pair_products, pair_sums, run_pair_scales, run_pair_scales_wide, run_scales, scale_table,
+                   scaled_quad_dot, scaled_quad_dot_pair, scaled_quad_dot_runs, splat, vec)
 from .simd_q8 import TILE, block_format, group_fields
 
 
 # With VNNI two runs' integer lanes take three multiplies (scaled_quad_dot_pair), not four: measured
 # (Zen 4, 1 core, 1024 x 2048 from cache) decode strips Q4_K 1.15x, Q6_K 1.08x; prefill tiles Q4_K up
 # to 1.05x, Q6_K level
-PAIRED_RUNS = X86_VNNI
+PAIRED_RUNS = X86_VNNI and not X86_WIDE_RUNS
+# With AVX-512's 512-bit registers two runs side by side in each (scaled_quad_dot_runs): two multiplies for
+# two runs where PAIRED_RUNS takes three on 256-bit registers, and no shuffle of the products. Measured
+# (Sapphire Rapids, 1 core, 128 tokens, 2048 x 2048 to 8192 x 2048, interleaved runs) against PAIRED_RUNS:
+# prefill tiles Q4_K 1.12-1.14x, Q5_K 1.20x, Q6_K 1.30-1.36x; one token level to 1.15x (Q6_K)
+WIDE_RUNS = X86_WIDE_RUNS
 # AVX2's 16 registers, several tokens: the runs as a loop (_looped_runs), not written out. Written out,
 # LLVM's scheduler computed each pair's 8 runs in a row and spilled what the pairs share: ~220 stack
 # loads and stores per super-block of a 2 x 4 tile. Measured (Zen 3, 1 core, 4096 x 2048, 8, 64 and 128
 # tokens, best of 4 processes each, old and new alternated): Q4_K 1.2-1.4x, Q5_K 1.1-1.2x, Q6_K 1.06-1.13x
 RUN_LOOP = X86_16_REGISTERS
-assert not (RUN_LOOP and PAIRED_RUNS)  # the loop takes one run at a time
+assert not (RUN_LOOP and (PAIRED_RUNS or WIDE_RUNS))  # the loop takes one run at a time
 # The K-quants llama.cpp repacks on x86 (Q4_K: ggml_gemv_q4_K_8x8_q8_K and its gemm), summed in the
 # order of those kernels, which it takes by default there: per (row, token) one float for the scaled
 # quants and one for the mins, to which each super-block adds its exact integer total (the sub-block
@@ -146,29 +151,44 @@ def _i64(v: int) -> ir.Constant:
     return ir.Constant(I64, v)
 
 
-def _unrolled_runs(builder, fmt: str, groups, rows, block, tables, xq) -> dict:
+def _unrolled_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
     """The integer lanes (sumi) of every (row, token) pair over the super-block's 8 runs, written out
     in order. Several tokens: run by run (one run's quants and scale per row live at a time, shared
     by the tokens; row by row they spill: Q6_K's 2 x 4 tile 1.3x slower); one token: row by row
-    (run by run 1.3x slower). xq: per token, its activations of run k at [32 * k]."""
-    sumi = {(r, j): ir.Constant(vec(I32, LANES), [0] * LANES) for r in range(len(rows)) for j in range(len(xq))}
-    step = 2 if PAIRED_RUNS else 1  # runs k, k+1 together (scaled_quad_dot_pair)
-    order = [(k, r) for k in range(0, 8, step) for r in range(len(rows))] if len(xq) > 1 \
+    (run by run 1.3x slower). x_at: per token, the pointer to its values and the byte of the
+    super-block."""
+    width = 2 * LANES if WIDE_RUNS else LANES  # WIDE_RUNS: run k + 1's lanes beside run k's, summed at the end
+    sumi = {(r, j): ir.Constant(vec(I32, width), [0] * width) for r in range(len(rows)) for j in range(len(x_at))}
+    step = 2 if PAIRED_RUNS or WIDE_RUNS else 1  # runs k, k+1 together
+    order = [(k, r) for k in range(0, 8, step) for r in range(len(rows))] if len(x_at) > 1 \
         else [(k, r) for r in range(len(rows)) for k in range(0, 8, step)]
+
+    def activations(j: int, k: int, runs: int = 1):  # token j's of runs k .. k + runs - 1 (LLVM loads each once)
+        xq_ptr, xq_at = x_at[j]
+        return load_at(builder, xq_ptr, builder.add(xq_at, _i64(32 * k)), I8, 32 * runs)
 
     for k, r in order:
         g, i = rows[r]
         quants, runs = _run(builder, fmt, groups[g][0], block, i, k)
-        if PAIRED_RUNS:
+        if WIDE_RUNS:
+            quants_b, runs_b = _run(builder, fmt, groups[g][0], block, i, k + 1)
+            scales = run_pair_scales_wide(builder, tables[g][i], runs, runs_b)
+            both = concat(builder, quants, quants_b)
+            for j in range(len(x_at)):
+                sumi[r, j] = scaled_quad_dot_runs(builder, both, activations(j, k, 2), scales, sumi[r, j])
+        elif PAIRED_RUNS:
             quants_b, runs_b = _run(builder, fmt, groups[g][0], block, i, k + 1)
             scales = run_pair_scales(builder, tables[g][i], runs, runs_b)
-            for j, x in enumerate(xq):
-                sumi[r, j] = scaled_quad_dot_pair(builder, quants, x[32 * k], quants_b, x[32 * k + 32], scales,
-                                                  sumi[r, j])
-            continue
-        scales = run_scales(builder, tables[g][i], *runs)
-        for j, x in enumerate(xq):
-            sumi[r, j] = scaled_quad_dot(builder, quants, x[32 * k], scales, sumi[r, j])
+            for j in range(len(x_at)):
+                sumi[r, j] = scaled_quad_dot_pair(builder, quants, activations(j, k), quants_b,
+                                                  activations(j, k + 1), scales, sumi[r, j])
+        else:
+            scales = run_scales(builder, tables[g][i], *runs)
+            for j in range(len(x_at)):
+                sumi[r, j] = scaled_quad_dot(builder, quants, activations(j, k), scales, sumi[r, j])
+    if WIDE_RUNS:
+        halves = [const_vec(I32, range(h, h + LANES)) for h in (0, LANES)]
+        sumi = {pair: builder.add(*(builder.shuffle_vector(v, v, half) for half in halves)) for pair, v in sumi.items()}
     return sumi
 
 
@@ -255,10 +275,7 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
         per_token, x_at = [], []
         for xq_ptr, xd_ptr, xs_ptr in x_rows:
             x_d = builder.load(builder.gep(xd_ptr, [b]))
-            xq_at = builder.mul(b, ir.Constant(I64, 256))
-            x_at.append((xq_ptr, xq_at))
-            xq = {offset: load_at(builder, xq_ptr, builder.add(xq_at, ir.Constant(I64, offset)), I8, 32)
-                  for offset in range(0, 256, 32)}  # run k's activations at 32k (unused by _looped_runs: dropped)
+            x_at.append((xq_ptr, builder.mul(b, ir.Constant(I64, 256))))
             sums = builder.load(builder.bitcast(builder.gep(xs_ptr, [builder.mul(b, ir.Constant(I64, 16))]),
                                                 vec(I32, 16).as_pointer()), align=4)  # the 16-sums (int8 x 16: i16)
             # Q4_K/Q5_K: the 32-sums, which meet the mins; Q6_K: the 16-sums, which meet the scales
@@ -269,16 +286,16 @@ def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_
             d = [builder.fmul(v, splat(builder, x_d_wide, v.type.count)) for v in d_w]
             dmin = [builder.fmul(splat(builder, builder.fneg(x_d_wide), v.type.count), v) for v in dmin_w] \
                 if dmin_w is not None else None
-            per_token.append((xq, sums, d, dmin))
+            per_token.append((sums, d, dmin))
         # The integer lanes of every pair, then each pair's float operations
         if RUN_LOOP and len(x_rows) > 1:
             sumi = _looped_runs(builder, fmt, groups, rows, block, tables, x_at)
         else:
-            sumi = _unrolled_runs(builder, fmt, groups, rows, block, tables, [xq for xq, _, _, _ in per_token])
+            sumi = _unrolled_runs(builder, fmt, groups, rows, block, tables, x_at)
         min_dots = {}
         for r, (g, i) in enumerate(rows):
             table = tables[g][i]
-            for j, (xq, sums, d, dmin) in enumerate(per_token):
+            for j, (sums, d, dmin) in enumerate(per_token):
                 pair = (r, j)
                 if fmt in ("q4_k", "q5_k"):
                     # mins: lane m = min[2m] * S[2m] + min[2m+1] * S[2m+1], S[i] the 32-sum of sub-block i
@@ -355,8 +372,11 @@ dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q6_k_q8k = block_intrinsics(_emit_stored, 
 # groups are too; by 2 slower), Q6_K by 2 1.0-1.25x (by 4 or 8 2x slower: spilled registers); prefill
 # tiles (run by run, see _emit_k_dots) against the stored rows' 4 x 4: Q4_K 4 x 4 and Q6_K 2 x 4 1.05-1.1x
 # (4 x 2, 4 x 6, 4 x 8, 2 x 8 no better).
+# With WIDE_RUNS (Sapphire Rapids, 128 tokens): Q4_K's 4 x 6 tile 1.10-1.15x its 4 x 4 (4 x 8, 2 x 8 and
+# 8 x 4 slower than 4 x 6; 8 and 16 tokens 0.96-0.98x, the tokens past the last whole tile taken one by
+# one); Q5_K 4 x 6 level with 4 x 4; Q6_K 2 x 4 still best (4 x 4, 2 x 6, 2 x 8 0.8-0.95x)
 K_PACK_ROWS = {"q4_k": 4, "q5_k": 4, "q6_k": 2}
-K_PACKED_TILE = {"q4_k": TILE, "q5_k": TILE, "q6_k": (2, TILE[1])}
+K_PACKED_TILE = {"q4_k": (4, 6) if WIDE_RUNS else TILE, "q5_k": TILE, "q6_k": (2, TILE[1])}
 assert all(rows % K_PACKED_TILE[fmt][0] == 0 for fmt, rows in K_PACK_ROWS.items())
 PACKED_K = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8k", I32, rows, K_PACKED_TILE[fmt],
                                    block_format(fmt).block_bytes)
