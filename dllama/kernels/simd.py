@@ -277,7 +277,15 @@ def bits_to_bytes(builder, words, bit_of_lane, if_set: int, if_clear: int = 0):
 def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
     """<32 x i8> weights . <32 x i8> activations (+ <8 x i32> acc) -> <8 x i32>, lane k = sum of
     products 4k..4k+3. Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd
-    pair, with AVX512-VNNI one vpdpbusd, on AArch64 with the dot product two sdot."""
+    pair, with AVX512-VNNI one vpdpbusd, on AArch64 with the dot product two sdot. With
+    X86_WIDE_RUNS, unsigned weights: two such dots side by side (<64 x i8> -> <16 x i32>), one
+    512-bit vpdpbusd."""
+    if w_i8.type.count == 64:  # (X86_WIDE_RUNS) two 32-byte dots side by side: <16 x i32>
+        assert X86_WIDE_RUNS and w_unsigned
+        v16 = vec(I32, 16)
+        dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+        start = acc if acc is not None else ir.Constant(v16, [0] * 16)
+        return builder.call(dpbusd, [start, builder.bitcast(w_i8, v16), builder.bitcast(x_i8, v16)])
     if _X86_AVX2:
         if not w_unsigned:  # maddubs and vpdpbusd want unsigned x signed: move the sign onto the activations
             psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), [vec(I8, 32)] * 2)

@@ -14,8 +14,8 @@ from llvmlite import ir
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, iq4_nl_values,
-                   load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
+                   X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8,
+                   iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # The formats llama.cpp repacks on x86 (Q4_0, IQ4_NL: 8 rows interleaved, ggml-cpu/arch/x86/repack.cpp),
@@ -175,6 +175,9 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     return totals
 
 
+# With AVX-512 (Intel, X86_WIDE_RUNS), the formats summed in GGML's vec_dot order: a pair of rows' two
+# 8-lane halves in one 512-bit register (one dot, one conversion, one multiply-add for both)
+WIDE_HALVES = X86_WIDE_RUNS
 # The nibble formats whose two rows' quants, packed side by side, are one 32-byte load (_emit_pair_dots)
 _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 # GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves
@@ -201,7 +204,14 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     # (ROWS_IN_LANES) a pair of rows' dot with a token: row 2p's in lanes 0-3, row 2p+1's in 4-7
     in_lanes = InLanes([[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(n_pairs) for j in tokens], acc_t,
                         span, builder) if fmt in ROWS_IN_LANES else None
-    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in (0, 1)) if in_lanes is None else ():
+    # WIDE_HALVES: a pair of rows' two halves side by side in one 512-bit register (lanes 0-7 the
+    # low nibbles' dot, 8-15 the high's), each lane with the operations of its 8-lane one; a tile's
+    # (one token's strip: Q4_1 0.8-0.9x with them, Sapphire Rapids)
+    wide = WIDE_HALVES and in_lanes is None and len(x_rows) > 1
+    if wide:
+        zero = ir.Constant(vec(acc_t, 2 * LANES), [0.0] * 2 * LANES)
+    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in ((0,) if wide else (0, 1))) \
+            if in_lanes is None else ():
         acc_slots[key] = span.accumulator(builder, zero)
     summs_slots = {}
     if fmt in _WITH_MIN:  # lane i: row i's sum of m * (d*sum) of the activations' blocks
@@ -262,7 +272,17 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             scales = builder.fmul(d_w, splat(builder, d_tokens[j], n_rows))
-            for p, pair in enumerate(nibbles):
+            if wide:
+                x_both = concat(builder, *x_halves)
+                start = concat(builder, *starts) if starts[0] is not None else None
+                for p, pair in enumerate(nibbles):
+                    scale = builder.shuffle_vector(scales, scales, const_vec(I32, ([2 * p] * 4 + [2 * p + 1] * 4) * 2))
+                    scale = builder.fpext(scale, vec(F64, 2 * LANES)) if acc_t is F64 else scale
+                    quads = quad_dot(builder, concat(builder, *pair), x_both, w_unsigned=True, acc=start)
+                    slot = acc_slots[p, j, 0]
+                    builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(acc_t, 2 * LANES)),
+                                          builder.load(slot)), slot)
+            for p, pair in enumerate(nibbles) if not wide else ():
                 scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p] * 4 + [2 * p + 1] * 4))
                 scale = builder.fpext(scale, vec(F64, LANES)) if acc_t is F64 else scale
                 for h, (quants, x_half, start) in enumerate(zip(pair, x_halves, starts)):
@@ -282,7 +302,12 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     totals = [[None] * len(x_rows) for _ in range(n_rows)]
     for p in range(n_pairs):
         for j in tokens:
-            low, high = (builder.load(acc_slots[p, j, h]) for h in (0, 1))
+            if wide:
+                both = builder.load(acc_slots[p, j, 0])
+                low, high = (builder.shuffle_vector(both, both, const_vec(I32, range(h, h + LANES)))
+                             for h in (0, LANES))
+            else:
+                low, high = (builder.load(acc_slots[p, j, h]) for h in (0, 1))
             for k in (0, 1):  # row 2p + k: its GGML lanes 0-3 from the low dot, 4-7 from the high one
                 lanes = builder.shuffle_vector(low, high, const_vec(I32, [4 * k + i for i in range(4)] +
                                                                     [8 + 4 * k + i for i in range(4)]))
@@ -337,8 +362,9 @@ dot_q5_1_q8, dot_q5_1_q8_wide, tile_q5_1_q8 = block_intrinsics(_emit_dots, "q5_1
 # 4-128 tokens, IQ4_NL and Q4_1 1.05-1.1x at 8-128 (level at 4); Q8_0, Q5_0 and Q5_1 lose there.
 _PAIR_TILE = (8, 2) if X86_32_REGISTERS else TILE  # AVX2's 16 registers: 16 accumulators would spill
 # Q4_1 with AVX2 only (Zen 3, 1 core, 3072 x 576, interleaved runs): 4 x 2 tiles 1.15-1.2x faster than
-# 2 x 4 at 8 and 64 tokens; Q4_0 and IQ4_NL 1.1-1.2x slower with them (so they keep 2 x 4)
-_Q4_1_TILE = (4, 2) if X86_16_REGISTERS else _PAIR_TILE
+# 2 x 4 at 8 and 64 tokens; Q4_0 and IQ4_NL 1.1-1.2x slower with them (so they keep 2 x 4). With
+# WIDE_HALVES (half the accumulators) 8 x 4: Q4_1 1.12-1.15x 8 x 2 at 8 and 128 tokens (Sapphire Rapids)
+_Q4_1_TILE = (4, 2) if X86_16_REGISTERS else (8, 4) if WIDE_HALVES else _PAIR_TILE
 _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _Q4_1_TILE), "iq4_nl": (8, _PAIR_TILE),
             "q8_0": (4, TILE), "q5_0": (8, TILE), "q5_1": (4, TILE)}
 PACK_ROWS = {fmt: rows for fmt, (rows, _) in _PACKING.items()}
