@@ -221,7 +221,7 @@ X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
 # AVX-512 with VNNI and BW: the K-quants' quad dots two runs at a time, on 512-bit registers
 # (scaled_quad_dot_runs). Measured on Intel (Sapphire Rapids); AMD's Zen 4 runs each 512-bit multiply
 # as two 256-bit ones (two runs: four where the 256-bit path takes three), so AMD keeps that path
-_CPU_NAME = numba_config.CPU_NAME or llvm_binding.get_host_cpu_name()
+_CPU_NAME = numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm_binding.get_host_cpu_name()
 X86_WIDE_RUNS = X86_VNNI and "+avx512bw" in _HOST_FEATURES and not _CPU_NAME.startswith("znver")
 # Without VNNI an x86 quad dot is maddubs + madd, unsigned x signed: signed weights cost two psigns more
 X86_MADDUBS = _X86_AVX2 and not X86_VNNI
