@@ -25,12 +25,14 @@ from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
-from .simd_q8 import (PACKED, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8,
-                      dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8,
-                      dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8,
-                      tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8, tile_q5_1_q8, tile_q8_0_q8)
-from .simd_q8k import (K_PACKED_TILE, PACKED_K, dot_q4_k_q8k, dot_q4_k_q8k_wide, dot_q5_k_q8k, dot_q5_k_q8k_wide,
-                       dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k, tile_q6_k_q8k)
+from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS,
+                      TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8,
+                      dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8,
+                      dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8, tile_q5_1_q8,
+                      tile_q8_0_q8)
+from .simd_q8k import (K_PACKED_TILE, K_TAIL_TILE, PACKED_K, PACKED_K_TAIL, dot_q4_k_q8k, dot_q4_k_q8k_wide,
+                       dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k,
+                       tile_q6_k_q8k)
 
 # every f16 bit pattern -> f32. On aarch64 numpy casts in hardware, which quiets the signalling NaNs
 # and flags it ("invalid value encountered in cast"); they stay NaNs, so the flag is noise.
@@ -116,6 +118,9 @@ strip_q8_0, strip_q8_0_wide, tile_q8_0_packed, span_q8_0, span_q8_0_wide, tile_s
 strip_q5_0, strip_q5_0_wide, tile_q5_0_packed, span_q5_0, span_q5_0_wide, tile_span_q5_0 = PACKED["q5_0"]
 strip_q5_1, strip_q5_1_wide, tile_q5_1_packed, span_q5_1, span_q5_1_wide, tile_span_q5_1 = PACKED["q5_1"]
 strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed, span_iq4_nl, span_iq4_nl_wide, tile_span_iq4_nl = PACKED["iq4_nl"]
+# the tail tiles (simd_q8.PACKED_TAIL): Q4_1's alone may differ from its tile
+*_, tail_q4_1_packed, _, _, tail_span_q4_1 = PACKED_TAIL["q4_1"]
+assert all(PACKED_TAIL_TILE[fmt] == PACKED_TILE[fmt] for fmt in PACKED_TILE if fmt != "q4_1")
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -167,21 +172,42 @@ def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out):
+def _tail_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
+    if fmt == _Q4_1:
+        tail_q4_1_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    else:
+        _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tail_end(T, tiled, tail_tokens):
+    """Where the tail tiles of tail_tokens, after `tiled` tokens of whole tiles, end (tail_tokens 0:
+    none)."""
+    return tiled + (T - tiled) // tail_tokens * tail_tokens if tail_tokens else tiled
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xt, xd,
+                     xs, out):
     """Over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the format's
-    PACKED_TILE), then one strip (the group's rows x 1 token) per token left; the padded last group
-    through a scratch row. The tiles read the activations' values from xt (xq, or the paired layout
-    for the formats whose tiles read that: simd_q8.PAIRED_TILES)."""
+    PACKED_TILE), then tail tiles of tail_rows x tail_tokens (its tail: a narrower tile, or the
+    same, which takes no tokens), then one strip (the group's rows x 1 token) per token left; the
+    padded last group through a scratch row. The tiles read the activations' values from xt (xq,
+    or the paired layout for the formats whose tiles read that: simd_q8.PAIRED_TILES)."""
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
+    tailed = _tail_end(T, tiled_tokens, tail_tokens)
     for g in prange(wp.shape[1]):
         col = g * n
         if g < whole:
             for t in range(0, tiled_tokens, tile_tokens):
                 for i0 in range(0, n, tile_rows):
                     tile(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
-            for t in range(tiled_tokens, T):
+            for t in range(tiled_tokens, tailed, tail_tokens):
+                for i0 in range(0, n, tail_rows):
+                    tail(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
+            for t in range(tailed, T):
                 strip(wp, fmt, g, xq, xd, xs, t, out, col)
         else:
             edge = np.empty((T, n), np.float32)
@@ -193,9 +219,10 @@ def _packed_products(strip, tile, wp, rows, n, tile_rows, tile_tokens, fmt, xq, 
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out):
+def _mm_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xt, xd, xs, out):
     """_mm_quant over packed rows."""
-    _packed_products(_strip, _tile_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xt, xd, xs, out)
+    _packed_products(_strip, _tile_packed, _tail_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
+                     fmt, xq, xt, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -247,17 +274,32 @@ def _tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out):
+def _tail_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
+    if fmt == _Q4_1:
+        tail_span_q4_1(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
+    else:
+        _tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
+                      parts, fmt, xq, xt, xd, xs, out):
     """A few tokens over packed rows of several spans (packing.py): each of `parts` threads walks its
     groups span by span, so that a span of activations stays in L1 while the groups' spans of weights
     stream past as one sequential read; within a span, tiles of tile_rows x tile_tokens (tile_tokens
     0: none) and a strip per token left, every one's accumulators carried in its own slot from span
-    to span: the bits of whole rows. The tiles read xt (as _packed_products)."""
+    to span: the bits of whole rows. The tiles (and tail tiles, as _packed_products') read xt."""
     n_spans, n_groups = wp.shape[0], wp.shape[1]
     T = xq.shape[0]
     whole = rows // n
     tiled = T - T % tile_tokens if tile_tokens else 0
-    per_group = max(T, (tiled // tile_tokens) * (n // tile_rows) + T - tiled if tile_tokens else T)
+    tailed = _tail_end(T, tiled, tail_tokens)
+    slots = T - tailed  # a group's: one per tile, tail tile and strip
+    if tile_tokens:
+        slots += tiled // tile_tokens * (n // tile_rows)
+    if tail_tokens:
+        slots += (tailed - tiled) // tail_tokens * (n // tail_rows)
+    per_group = max(T, slots)
     carry = np.empty((n_groups * per_group, CARRIED_PER_ROW * n * max(tile_tokens, 1)), out.dtype)
     edge = np.empty((T, n), out.dtype)  # the padded last group's rows
     parts = min(n_groups, parts)
@@ -270,7 +312,11 @@ def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens
                         for i0 in range(0, n, tile_rows):
                             tile_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
                             slot += 1
-                    for t in range(tiled, T):
+                    for t in range(tiled, tailed, max(tail_tokens, 1)):
+                        for i0 in range(0, n, tail_rows):
+                            tail_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
+                            slot += 1
+                    for t in range(tailed, T):
                         strip_span(wp, fmt, g, 0, xq, xd, xs, t, out, g * n, s, carry, slot)
                         slot += 1
                 else:
@@ -282,14 +328,16 @@ def _spanned_products(strip_span, tile_span, wp, rows, n, tile_rows, tile_tokens
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out):
-    _spanned_products(_strip_span, _tile_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xt, xd, xs, out)
+def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xt, xd, xs, out):
+    _spanned_products(_strip_span, _tile_span, _tail_span, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
+                      parts, fmt, xq, xt, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
-    _spanned_products(_strip_span_wide, _tile_span, wp, rows, n, 1, 0, parts, fmt, xq, xq, xd, xs, out)
+    _spanned_products(_strip_span_wide, _tile_span, _tile_span, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd, xs,
+                      out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -377,10 +425,23 @@ def _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
         tile_q6_k_packed(wp, g, i0, xq, xd, xs, t, out, col)
 
 
+# the tail tiles (simd_q8k.PACKED_K_TAIL): Q4_K's alone may differ from its tile
+*_, tail_q4_k_packed, _, _, tail_span_q4_k = PACKED_K_TAIL["q4_k"]
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tail_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
+    if fmt == _Q4_K:
+        tail_q4_k_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    else:
+        _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, fmt, xq, xd, xs, out):
+def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xd, xs, out):
     """_mm_k_quant over packed rows."""
-    _packed_products(_strip_k, _tile_k_packed, wp, rows, n, tile_rows, tile_tokens, fmt, xq, xq, xd, xs, out)
+    _packed_products(_strip_k, _tile_k_packed, _tail_k_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows,
+                     tail_tokens, fmt, xq, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -413,16 +474,25 @@ def _tile_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
         tile_span_q6_k(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
 
 
+@njit(inline="always", nogil=True, cache=CACHE)
+def _tail_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
+    if fmt == _Q4_K:
+        tail_span_q4_k(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
+    else:
+        _tile_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_k_packed_spans(wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xd, xs, out):
-    _spanned_products(_strip_k_span, _tile_k_span, wp, rows, n, tile_rows, tile_tokens, parts, fmt, xq, xq, xd, xs,
-                      out)
+def _mm_k_packed_spans(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xd, xs, out):
+    _spanned_products(_strip_k_span, _tile_k_span, _tail_k_span, wp, rows, n, tile_rows, tile_tokens, tail_rows,
+                      tail_tokens, parts, fmt, xq, xq, xd, xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
-    _spanned_products(_strip_k_span_wide, _tile_k_span, wp, rows, n, 1, 0, parts, fmt, xq, xq, xd, xs, out)
+    _spanned_products(_strip_k_span_wide, _tile_k_span, _tile_k_span, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd,
+                      xs, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -543,14 +613,16 @@ _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.
 
 
 @functools.cache
-def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int], int, bool, int | None]:
-    """For packed rows of qtype: (the kernels' format number, their tile shape, rows per group, a
-    K-quant?, the bias of the paired layout its tiles read, or None if they read plain Q8 values),
+def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int, int, int], int, bool, int | None]:
+    """For packed rows of qtype: (the kernels' format number, their tile shape and tail tile shape
+    (rows, tokens, tail rows, tail tokens), rows per group, a K-quant?, the bias of the paired layout
+    its tiles read, or None if they read plain Q8 values),
     worked out once: the enum and dict lookups cost ~5 us a call, and a decode step of SmolLM2 makes
     ~150 matmuls of 10-100 us."""
     fmt, k_quant = QType(qtype).name.lower(), qtype in _K_KERNEL
-    return ((_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], (K_PACKED_TILE if k_quant else PACKED_TILE)[fmt],
-            rows_per_group(qtype), k_quant, PAIR_BIAS.get(fmt, 0) if fmt in PAIRED_TILES else None)
+    tiles = (K_PACKED_TILE if k_quant else PACKED_TILE)[fmt] + (K_TAIL_TILE if k_quant else PACKED_TAIL_TILE)[fmt]
+    return ((_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], tiles, rows_per_group(qtype), k_quant,
+            PAIR_BIAS.get(fmt, 0) if fmt in PAIRED_TILES else None)
 
 
 def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None = None,
@@ -575,7 +647,7 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         kernel, tile, n, k_quant, pair_bias = _packed_kernel(w.qtype)
         # the values the tiles read: the paired layout, made only when there are tiles (before the
         # Q8 form, so that both are made in one pass)
-        paired = not wide and pair_bias is not None and x.tokens >= tile[1]
+        paired = not wide and pair_bias is not None and x.tokens >= tile[3]  # (tail tiles: at most the tiles')
         xt = x.q8_paired(pair_bias) if paired else None
         a = x.q8k if k_quant else x.q8
         acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)

@@ -377,3 +377,11 @@ PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt,
                                  block_format(fmt).block_bytes,
                                  emit_tile=partial(_emit_packed, fmt=fmt, pack=rows, paired=fmt in PAIRED_TILES))
           for fmt, (rows, tile) in _PACKING.items()}
+# The tiles of the tokens past the last whole tile (as simd_q8k.K_TAIL_TILE): Q4_1's 8 x 4 leaves 2 or 3
+# tokens to the 8 x 2 tile it had (a small batch's decode step); the others have no tail
+PACKED_TAIL_TILE = {fmt: (8, 2) if fmt == "q4_1" and tile == (8, 4) else tile for fmt, (_, tile) in _PACKING.items()}
+PACKED_TAIL = {fmt: PACKED[fmt] if PACKED_TAIL_TILE[fmt] == tile else
+               packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, PACKED_TAIL_TILE[fmt],
+                                 block_format(fmt).block_bytes,
+                                 emit_tile=partial(_emit_packed, fmt=fmt, pack=rows, paired=fmt in PAIRED_TILES))
+               for fmt, (rows, tile) in _PACKING.items()}

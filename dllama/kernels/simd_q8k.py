@@ -381,3 +381,12 @@ assert all(rows % K_PACKED_TILE[fmt][0] == 0 for fmt, rows in K_PACK_ROWS.items(
 PACKED_K = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8k", I32, rows, K_PACKED_TILE[fmt],
                                    block_format(fmt).block_bytes)
             for fmt, rows in K_PACK_ROWS.items()}
+# The tiles of the tokens past the last whole tile: where a tile is wider than TILE's 4 tokens (Q4_K's
+# 6), TILE, so that 4 and 5 tokens (a small batch's decode step) still share each weight block
+# (Q4_K's strips alone: ~0.65x its 4 x 4 tiles at 4 tokens); else the tile itself (no tail)
+K_TAIL_TILE = {fmt: TILE if tile[1] > TILE[1] else tile for fmt, tile in K_PACKED_TILE.items()}
+PACKED_K_TAIL = {fmt: PACKED_K[fmt] if K_TAIL_TILE[fmt] == K_PACKED_TILE[fmt] else
+                 packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8k", I32, rows, K_TAIL_TILE[fmt],
+                                   block_format(fmt).block_bytes)
+                 for fmt, rows in K_PACK_ROWS.items()}
+assert all(K_TAIL_TILE[fmt] == K_PACKED_TILE[fmt] for fmt in ("q5_k", "q6_k"))  # (matmul.py's tails: Q4_K's)
