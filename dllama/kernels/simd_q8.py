@@ -207,10 +207,10 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     # WIDE_HALVES: a pair of rows' two halves side by side in one 512-bit register (lanes 0-7 the
     # low nibbles' dot, 8-15 the high's), each lane with the operations of its 8-lane one; a tile's
     # (one token's strip: Q4_1 0.8-0.9x with them, Sapphire Rapids)
-    wide = WIDE_HALVES and in_lanes is None and len(x_rows) > 1
-    if wide:
+    halves_512 = WIDE_HALVES and in_lanes is None and len(x_rows) > 1
+    if halves_512:
         zero = ir.Constant(vec(acc_t, 2 * LANES), [0.0] * 2 * LANES)
-    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in ((0,) if wide else (0, 1))) \
+    for key in ((p, j, h) for p in range(n_pairs) for j in tokens for h in ((0,) if halves_512 else (0, 1))) \
             if in_lanes is None else ():
         acc_slots[key] = span.accumulator(builder, zero)
     summs_slots = {}
@@ -272,17 +272,18 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             scales = builder.fmul(d_w, splat(builder, d_tokens[j], n_rows))
-            if wide:
+            if halves_512:
                 x_both = concat(builder, *x_halves)
                 start = concat(builder, *starts) if starts[0] is not None else None
                 for p, pair in enumerate(nibbles):
                     scale = builder.shuffle_vector(scales, scales, const_vec(I32, ([2 * p] * 4 + [2 * p + 1] * 4) * 2))
                     scale = builder.fpext(scale, vec(F64, 2 * LANES)) if acc_t is F64 else scale
-                    quads = quad_dot(builder, concat(builder, *pair), x_both, w_unsigned=True, acc=start)
+                    quads = quad_dot(builder, concat(builder, *pair), x_both, w_unsigned=biased or fmt in _WITH_MIN,
+                                     acc=start)
                     slot = acc_slots[p, j, 0]
                     builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(acc_t, 2 * LANES)),
                                           builder.load(slot)), slot)
-            for p, pair in enumerate(nibbles) if not wide else ():
+            for p, pair in enumerate(nibbles) if not halves_512 else ():
                 scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p] * 4 + [2 * p + 1] * 4))
                 scale = builder.fpext(scale, vec(F64, LANES)) if acc_t is F64 else scale
                 for h, (quants, x_half, start) in enumerate(zip(pair, x_halves, starts)):
@@ -302,7 +303,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     totals = [[None] * len(x_rows) for _ in range(n_rows)]
     for p in range(n_pairs):
         for j in tokens:
-            if wide:
+            if halves_512:
                 both = builder.load(acc_slots[p, j, 0])
                 low, high = (builder.shuffle_vector(both, both, const_vec(I32, range(h, h + LANES)))
                              for h in (0, LANES))
