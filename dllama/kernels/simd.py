@@ -83,6 +83,12 @@ def concat(builder, first, second):
     return builder.shuffle_vector(first, second, const_vec(I32, range(2 * first.type.count)))
 
 
+def halves(builder, v) -> tuple:
+    """concat's inverse: <2n x T> -> its first and its second <n x T>."""
+    n = v.type.count // 2
+    return tuple(builder.shuffle_vector(v, v, const_vec(I32, range(h, h + n))) for h in (0, n))
+
+
 def opaque(builder, v):
     """v, with LLVM unable to see what it is: a splat kept opaque stays a vector, so that a product
     of two splats is one vector multiply rather than (LLVM's choice) a scalar multiply and a
@@ -401,9 +407,7 @@ def scaled_quad_dot_runs(builder, w_runs, x_runs, scales, acc):
     upper half, its sign, is multiplied by 0) and adds it. Lane k + 8 holds run b's part of the
     scaled_quad_dot lane k of run a: the two halves summed give its integers exactly."""
     v16 = vec(I32, 16)
-    dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
-    quads = builder.call(dpbusd, [ir.Constant(v16, [0] * 16), builder.bitcast(w_runs, v16),
-                                  builder.bitcast(x_runs, v16)])
+    quads = quad_dot(builder, w_runs, x_runs, w_unsigned=True)
     dpwssd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16, [v16] * 3)
     return builder.call(dpwssd, [acc, quads, builder.bitcast(scales, v16)])
 

@@ -14,8 +14,8 @@ from llvmlite import ir
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, hsum_float_8,
-                   iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
+                   X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, halves,
+                   hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # The formats llama.cpp repacks on x86 (Q4_0, IQ4_NL: 8 rows interleaved, ggml-cpu/arch/x86/repack.cpp),
@@ -304,9 +304,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     for p in range(n_pairs):
         for j in tokens:
             if halves_512:
-                both = builder.load(acc_slots[p, j, 0])
-                low, high = (builder.shuffle_vector(both, both, const_vec(I32, range(h, h + LANES)))
-                             for h in (0, LANES))
+                low, high = halves(builder, builder.load(acc_slots[p, j, 0]))
             else:
                 low, high = (builder.load(acc_slots[p, j, h]) for h in (0, 1))
             for k in (0, 1):  # row 2p + k: its GGML lanes 0-3 from the low dot, 4-7 from the high one

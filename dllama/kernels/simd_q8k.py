@@ -18,9 +18,9 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, X86_WIDE_RUNS, InLanes,
-                   block_intrinsics, concat, const_vec, fmuladd, hsum_float_8, lane_scales, load_at, packed_intrinsics,
-                   pair_products, pair_sums, run_pair_scales, run_pair_scales_wide, run_scales, scale_table,
-                   scaled_quad_dot, scaled_quad_dot_pair, scaled_quad_dot_runs, splat, vec)
+                   block_intrinsics, concat, const_vec, fmuladd, halves, hsum_float_8, lane_scales, load_at,
+                   packed_intrinsics, pair_products, pair_sums, run_pair_scales, run_pair_scales_wide, run_scales,
+                   scale_table, scaled_quad_dot, scaled_quad_dot_pair, scaled_quad_dot_runs, splat, vec)
 from .simd_q8 import TILE, block_format, group_fields
 
 
@@ -187,8 +187,7 @@ def _unrolled_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict
             for j in range(len(x_at)):
                 sumi[r, j] = scaled_quad_dot(builder, quants, activations(j, k), scales, sumi[r, j])
     if WIDE_RUNS:
-        halves = [const_vec(I32, range(h, h + LANES)) for h in (0, LANES)]
-        sumi = {pair: builder.add(*(builder.shuffle_vector(v, v, half) for half in halves)) for pair, v in sumi.items()}
+        sumi = {pair: builder.add(*halves(builder, v)) for pair, v in sumi.items()}
     return sumi
 
 
