@@ -14,6 +14,7 @@ import pytest
 from numba import njit
 
 from dllama.config import RopeScaling
+from dllama.kernels import ops
 from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, Activations, Q8Activations, Q8KActivations, pair_q8_ref,
                                         round_f16)
 from dllama.kernels.attention import attention, attention_ref
@@ -21,6 +22,7 @@ from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_in_lanes_ref, m
 from dllama.kernels.packing import PACKABLE
 from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref,
                                 rope, rope_ref, silu_mul, silu_mul_ref, softcap)
+from dllama.kernels.simd_float import f32_bits, f32_from_bits, fma
 from dllama.quant import FORMATS, K_QUANTS, QK, QType, dequantize, quantize
 from dllama.weights import Matrix
 
@@ -353,6 +355,35 @@ def test_expf_special_values():
     assert y[5] == 0.0 and y[6] == np.inf and y[7] == 0.0 and y[8] == np.inf
     assert y[9] == np.inf and y[10] == 0.0 and y[11] == 1.0
 
+
+
+@njit(cache=False)
+def _ggml_expf_lane(x):
+    """One lane of GGML's ggml_v_expf as its C reads: the two-factor scaling only where |n| > 126
+    (GGML skips it when no lane needs it). The kernel's expf computes every case branch-free."""
+    z = fma(x, ops._LOG2E, ops._EXP_SHIFT)
+    n = z - ops._EXP_SHIFT
+    b = fma(-n, ops._LN2_LO, fma(-n, ops._LN2_HI, x))
+    e = np.int32(f32_bits(z) << 23)
+    k = f32_from_bits(np.int32(e + ops._ONE_BITS))
+    u = b * b
+    j = fma(fma(fma(ops._P0, b, ops._P1), u, fma(ops._P2, b, ops._P3)), u, ops._P4 * b)
+    if not abs(n) > 126:
+        return fma(j, k, k)
+    g = ops._NEG_BITS if n <= 0 else np.int32(0)
+    s1 = f32_from_bits(np.int32(g + ops._SCALE_BITS))
+    s2 = f32_from_bits(np.int32(e - g))
+    if abs(n) > 192:
+        return s1 * s1
+    return fma(s2, j, s2) * s1
+
+
+def test_expf_is_ggml_s_exp_bit_for_bit():
+    """Every 251st float32 bit pattern (all exponents, signs and NaNs among them)."""
+    x = (np.arange(0, 1 << 32, 251, dtype=np.uint64).astype(np.uint32)).view(np.float32)
+    ours, ggml = _expf_all(x), _elementwise(_ggml_expf_lane)(x)
+    same = (ours.view(np.uint32) == ggml.view(np.uint32)) | (np.isnan(ours) & np.isnan(ggml))
+    assert same.all(), x[~same][:5]
 
 _exp_nonpositive_f64_all = _elementwise(exp_nonpositive_f64)
 

@@ -193,11 +193,15 @@ def expf(x):
     k = f32_from_bits(np.int32(e + _ONE_BITS))
     u = b * b
     j = fma(fma(fma(_P0, b, _P1), u, fma(_P2, b, _P3)), u, _P4 * b)
-    g = _NEG_BITS if n <= 0 else np.int32(0)  # |n| > 126: 2^n in two factors, s1 * s2
-    s1 = f32_from_bits(np.int32(g + _SCALE_BITS))
-    s2 = f32_from_bits(np.int32(e - g))
+    # |n| > 126: 2^n in two factors, s1 * s2. Elsewhere they are 1: GGML returns before them when no
+    # lane needs them, and computed anyway they can be subnormal (s2 * (1 + j) at n = 1), which costs
+    # an Intel core a microcode assist per vector (SiLU's exp: 3.5 ns a value with them, 0.36 without)
+    far = abs(n) > 126
+    g = _NEG_BITS if n <= 0 else np.int32(0)
+    s1 = f32_from_bits(np.int32(g + _SCALE_BITS)) if far else np.float32(1.0)
+    s2 = f32_from_bits(np.int32(e - g)) if far else np.float32(1.0)
     scaled = s1 * s1 if abs(n) > 192 else fma(s2, j, s2) * s1
-    return scaled if abs(n) > 126 else fma(j, k, k)
+    return scaled if far else fma(j, k, k)
 
 
 def expf_ref(x: np.ndarray) -> np.ndarray:
