@@ -20,12 +20,21 @@ def round_f16(a: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
+def _block_amax(x, t, o):
+    """max |x[t, o:o+32]|, and 0: lane j of eight takes values j, j+8, j+16, j+24. A maximum is the
+    same in any order, and a chain of 32 dependent comparisons held up each block (Q8 quantization
+    of 8 rows of 1536: 12.0 -> 9.8 us)."""
+    m = np.float32(0.0)
+    for j in range(8):
+        m = max(m, max(max(abs(x[t, o + j]), abs(x[t, o + 8 + j])), max(abs(x[t, o + 16 + j]), abs(x[t, o + 24 + j]))))
+    return m
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
 def _quantize_q8_row(x, xq, xd, xds, t):
     for b in range(x.shape[1] // 32):
         o = b * 32
-        amax = np.float32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(x[t, o + j]))
+        amax = _block_amax(x, t, o)
         inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         s = 0
         for j in range(32):

@@ -30,8 +30,15 @@ def _softmax_row(x, lo, n):
     in float64. x[:lo] and x[n:] up to the next multiple of 8 must be zeros (what the masked
     entries' exp gives)."""
     live = x[lo:n]  # loops from 0 over a view: LLVM vectorizes them, not loops from a runtime lo (~7x slower)
-    top = np.float32(-np.inf)  # float32, as GGML's max: x - top rounded once
-    for i in range(live.shape[0]):
+    # float32, as GGML's max: x - top rounded once. Eight lanes, then their tree: a maximum is the same
+    # in any order (a +0 for a -0 changes no x - top), and one chain of dependent comparisons is slow
+    whole = live.shape[0] - live.shape[0] % 8
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(-np.inf)
+    for i in range(0, whole, 8):
+        m0, m1, m2, m3 = max(m0, live[i]), max(m1, live[i + 1]), max(m2, live[i + 2]), max(m3, live[i + 3])
+        m4, m5, m6, m7 = max(m4, live[i + 4]), max(m5, live[i + 5]), max(m6, live[i + 6]), max(m7, live[i + 7])
+    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for i in range(whole, live.shape[0]):
         top = max(top, live[i])
     for i in range(live.shape[0]):
         live[i] = expf(live[i] - top)
