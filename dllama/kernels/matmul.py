@@ -25,7 +25,7 @@ from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
-from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TILE_ROWS,
+from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TAILED, TILE_ROWS,
                       TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8,
                       dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8,
                       dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8, tile_q5_1_q8,
@@ -118,9 +118,10 @@ strip_q8_0, strip_q8_0_wide, tile_q8_0_packed, span_q8_0, span_q8_0_wide, tile_s
 strip_q5_0, strip_q5_0_wide, tile_q5_0_packed, span_q5_0, span_q5_0_wide, tile_span_q5_0 = PACKED["q5_0"]
 strip_q5_1, strip_q5_1_wide, tile_q5_1_packed, span_q5_1, span_q5_1_wide, tile_span_q5_1 = PACKED["q5_1"]
 strip_iq4_nl, strip_iq4_nl_wide, tile_iq4_nl_packed, span_iq4_nl, span_iq4_nl_wide, tile_span_iq4_nl = PACKED["iq4_nl"]
-# the tail tiles (simd_q8.PACKED_TAIL): Q4_1's alone may differ from its tile
+# the tail tiles (simd_q8.PACKED_TAIL): Q4_1's and Q8_0's alone may differ from their tiles
 *_, tail_q4_1_packed, _, _, tail_span_q4_1 = PACKED_TAIL["q4_1"]
-assert all(PACKED_TAIL_TILE[fmt] == PACKED_TILE[fmt] for fmt in PACKED_TILE if fmt != "q4_1")
+*_, tail_q8_0_packed, _, _, tail_span_q8_0 = PACKED_TAIL["q8_0"]
+assert all(PACKED_TAIL_TILE[fmt] == PACKED_TILE[fmt] for fmt in PACKED_TILE if fmt not in TAILED)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -175,6 +176,8 @@ def _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 def _tail_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
     if fmt == _Q4_1:
         tail_q4_1_packed(wp, g, i0, xq, xd, xs, t, out, col)
+    elif fmt == _Q8_0:
+        tail_q8_0_packed(wp, g, i0, xq, xd, xs, t, out, col)
     else:
         _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col)
 
@@ -277,6 +280,8 @@ def _tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
 def _tail_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
     if fmt == _Q4_1:
         tail_span_q4_1(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
+    elif fmt == _Q8_0:
+        tail_span_q8_0(wp, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
     else:
         _tile_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
 

@@ -30,6 +30,9 @@ ROWS_IN_LANES = ("q4_0", "iq4_nl")
 # faster than 2 x 4 on Zen 4; 2 x 4 elsewhere (AVX2 has 16 registers, NEON 32 of half the width).
 TILE_ROWS, TILE_TOKENS = (4 if X86_32_REGISTERS else 2), 4
 TILE = (TILE_ROWS, TILE_TOKENS)
+# With AVX-512 (Intel, X86_WIDE_RUNS), the formats summed in GGML's vec_dot order: a pair of rows' two
+# 8-lane halves in one 512-bit register (one dot, one conversion, one multiply-add for both)
+WIDE_HALVES = X86_WIDE_RUNS
 
 
 # With VNNI the signed formats' quants are kept unsigned, biased by this much (Q4_0's and Q5_0's as
@@ -93,6 +96,25 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, block_format(fmt).block_bytes)
 
 
+def _pair_products(builder, weights, xq, d_rows, d_x, acc_slots, j, biased: bool) -> None:
+    """One activation block (xq, scale d_x) of token j into the accumulators of each pair of rows,
+    rows 2p and 2p+1 side by side (_emit_row_dots' row_pairs)."""
+    x_both = concat(builder, xq, xq)
+    start = None
+    if biased:  # -bias * the sum of each lane's four activations
+        bias = quad_dot(builder, const_vec(I8, [_BIAS["q8_0"]] * 32), xq, w_unsigned=True)
+        start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES), bias)
+        start = concat(builder, start, start)
+    # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
+    products = builder.fmul(d_rows, splat(builder, d_x, len(weights)))
+    for p in range(len(weights) // 2):
+        (low, _, _), (high, _, _) = weights[2 * p], weights[2 * p + 1]
+        scale = builder.shuffle_vector(products, products, const_vec(I32, [2 * p] * LANES + [2 * p + 1] * LANES))
+        quads = quad_dot(builder, concat(builder, low, high), x_both, w_unsigned=biased, acc=start)
+        slot = acc_slots[p, j]
+        builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(F32, 2 * LANES)), builder.load(slot)), slot)
+
+
 def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_stride: int,
                    scales_side_by_side: bool = False):
     """The dots of weight rows (each a dict of field pointers, its blocks block_stride bytes apart)
@@ -106,7 +128,15 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots, summs_slots = {}, {}
     in_lanes = InLanes([[pair] * LANES for pair in pairs], acc_t, span, builder) if fmt in ROWS_IN_LANES else None
-    for pair in pairs if in_lanes is None else ():
+    # WIDE_HALVES (as _emit_pair_dots'): a tile of Q8_0 rows packed side by side holds rows 2p and 2p+1
+    # in one 512-bit register (lanes 0-7 and 8-15), each lane with the operations of its 8-lane dot
+    row_pairs = WIDE_HALVES and fmt == "q8_0" and scales_side_by_side and len(x_rows) > 1 and len(rows) % 2 == 0 \
+        and acc_t is F32
+    if row_pairs:
+        zero_pair = ir.Constant(vec(acc_t, 2 * LANES), [0.0] * 2 * LANES)
+        acc_slots = {(p, j): span.accumulator(builder, zero_pair) for p in range(len(rows) // 2)
+                     for j in range(len(x_rows))}
+    for pair in pairs if in_lanes is None and not row_pairs else ():
         acc_slots[pair] = span.accumulator(builder, zero)
         if fmt in _WITH_MIN:
             summs_slots[pair] = span.accumulator(builder, ir.Constant(acc_t, 0.0))
@@ -117,7 +147,7 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     one_vector = scales_side_by_side and len(x_rows) == 1 and len(rows) > 1
     with span.loop(builder, block_stride) as (b, block):
         weights = [_unpack(builder, fmt, fields, block, biased) for fields in rows]
-        if one_vector:
+        if one_vector or row_pairs:
             d_rows = builder.fpext(load_at(builder, rows[0]["d"], block, F16, len(rows)), vec(F32, len(rows)))
         block_dots, d_tokens = {}, []
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
@@ -131,6 +161,9 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
                                         quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True))
                 for i, (quants, _, _) in enumerate(weights):
                     block_dots[i, j] = quad_dot(builder, quants, xq, w_unsigned=biased, acc=start)
+                continue
+            if row_pairs:
+                _pair_products(builder, weights, xq, d_rows, d_x, acc_slots, j, biased)
                 continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             products = builder.fmul(d_rows, splat(builder, d_x, len(rows))) if one_vector else None
@@ -167,6 +200,10 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     if in_lanes is not None:
         return in_lanes.totals(builder, len(rows), len(x_rows))
     totals = [[None] * len(x_rows) for _ in rows]
+    if row_pairs:
+        for (p, j), slot in acc_slots.items():
+            totals[2 * p][j], totals[2 * p + 1][j] = (hsum_float_8(builder, h) for h in halves(builder, builder.load(slot)))
+        return totals
     for i, j in pairs:
         total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
         if fmt in _WITH_MIN:
@@ -175,9 +212,6 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     return totals
 
 
-# With AVX-512 (Intel, X86_WIDE_RUNS), the formats summed in GGML's vec_dot order: a pair of rows' two
-# 8-lane halves in one 512-bit register (one dot, one conversion, one multiply-add for both)
-WIDE_HALVES = X86_WIDE_RUNS
 # The nibble formats whose two rows' quants, packed side by side, are one 32-byte load (_emit_pair_dots)
 _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 # GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves
@@ -364,8 +398,12 @@ _PAIR_TILE = (8, 2) if X86_32_REGISTERS else TILE  # AVX2's 16 registers: 16 acc
 # 2 x 4 at 8 and 64 tokens; Q4_0 and IQ4_NL 1.1-1.2x slower with them (so they keep 2 x 4). With
 # WIDE_HALVES (half the accumulators) 8 x 4: Q4_1 1.12-1.15x 8 x 2 at 8 and 128 tokens (Sapphire Rapids)
 _Q4_1_TILE = (4, 2) if X86_16_REGISTERS else (8, 4) if WIDE_HALVES else _PAIR_TILE
+# Q8_0 with WIDE_HALVES (a pair of rows per register, _pair_products): rows packed by 8 and 8 x 4 tiles,
+# 1.5x its 4 x 4 tiles at 4-16 tokens, 1.4x at 64 (SmolLM2's 49152 x 576 output matrix, 1 core, Sapphire
+# Rapids; 4 x 4, 4 x 6, 4 x 8, 8 x 2 and 8 x 6 with pairs: 1.05-1.25x)
+_Q8_0_PACKING = (8, (8, 4)) if WIDE_HALVES else (4, TILE)
 _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _Q4_1_TILE), "iq4_nl": (8, _PAIR_TILE),
-            "q8_0": (4, TILE), "q5_0": (8, TILE), "q5_1": (4, TILE)}
+            "q8_0": _Q8_0_PACKING, "q5_0": (8, TILE), "q5_1": (4, TILE)}
 PACK_ROWS = {fmt: rows for fmt, (rows, _) in _PACKING.items()}
 PACKED_TILE = {fmt: tile for fmt, (_, tile) in _PACKING.items()}
 assert all(rows % tile[0] == 0 for rows, tile in _PACKING.values())
@@ -376,9 +414,10 @@ PACKED = {fmt: packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt,
                                  block_format(fmt).block_bytes,
                                  emit_tile=partial(_emit_packed, fmt=fmt, pack=rows, paired=fmt in PAIRED_TILES))
           for fmt, (rows, tile) in _PACKING.items()}
-# The tiles of the tokens past the last whole tile (as simd_q8k.K_TAIL_TILE): Q4_1's 8 x 4 leaves 2 or 3
-# tokens to the 8 x 2 tile it had (a small batch's decode step); the others have no tail
-PACKED_TAIL_TILE = {fmt: (8, 2) if fmt == "q4_1" and tile == (8, 4) else tile for fmt, (_, tile) in _PACKING.items()}
+# The tiles of the tokens past the last whole tile (as simd_q8k.K_TAIL_TILE): Q4_1's and Q8_0's 8 x 4
+# leave 2 or 3 tokens to an 8 x 2 tile (a small batch's decode step); the others have no tail
+TAILED = ("q4_1", "q8_0")
+PACKED_TAIL_TILE = {fmt: (8, 2) if fmt in TAILED and tile == (8, 4) else tile for fmt, (_, tile) in _PACKING.items()}
 PACKED_TAIL = {fmt: PACKED[fmt] if PACKED_TAIL_TILE[fmt] == tile else
                packed_intrinsics(partial(_emit_packed, fmt=fmt, pack=rows), fmt, "q8", F32, rows, PACKED_TAIL_TILE[fmt],
                                  block_format(fmt).block_bytes,
