@@ -96,14 +96,19 @@ def _emit_dots(builder, fmt: str, acc_t: ir.Type, w_ptrs, x_rows, span):
     return _emit_row_dots(builder, fmt, acc_t, rows, x_rows, span, block_format(fmt).block_bytes)
 
 
-def _pair_products(builder, weights, xq, d_rows, d_x, acc_slots, j, biased: bool) -> None:
-    """One activation block (xq, scale d_x) of token j into the accumulators of each pair of rows,
-    rows 2p and 2p+1 side by side (_emit_row_dots' row_pairs)."""
+def _bias_start(builder, fmt: str, x):
+    """Where a biased format's block dot with activations x (<32 x i8>) starts, lane by lane: -_BIAS[fmt]
+    times the sum of the lane's four activations."""
+    bias = quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), x, w_unsigned=True)
+    return builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES), bias)
+
+
+def _pair_products(builder, weights, xq, start, d_rows, d_x, acc_slots, j) -> None:
+    """One activation block (xq, scale d_x, _bias_start or None) of token j into the accumulators of
+    each pair of rows, rows 2p and 2p+1 side by side (_emit_row_dots' row_pairs)."""
     x_both = concat(builder, xq, xq)
-    start = None
-    if biased:  # -bias * the sum of each lane's four activations
-        bias = quad_dot(builder, const_vec(I8, [_BIAS["q8_0"]] * 32), xq, w_unsigned=True)
-        start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES), bias)
+    biased = start is not None
+    if biased:
         start = concat(builder, start, start)
     # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
     products = builder.fmul(d_rows, splat(builder, d_x, len(weights)))
@@ -154,26 +159,19 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
             xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
             d_x = builder.load(builder.gep(xd_ptr, [b]))
             d_tokens.append(d_x)
+            start = _bias_start(builder, fmt, xq) if biased else None
             if in_lanes is not None:
-                start = None
-                if biased:
-                    start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES),
-                                        quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True))
                 for i, (quants, _, _) in enumerate(weights):
                     block_dots[i, j] = quad_dot(builder, quants, xq, w_unsigned=biased, acc=start)
                 continue
             if row_pairs:
-                _pair_products(builder, weights, xq, d_rows, d_x, acc_slots, j, biased)
+                _pair_products(builder, weights, xq, start, d_rows, d_x, acc_slots, j)
                 continue
             # every row's d_w * d_x in one multiply (exact: two f16 significands fit in f32)
             products = builder.fmul(d_rows, splat(builder, d_x, len(rows))) if one_vector else None
             # in a tile, d_x's splat is one register multiplied by each row's d_w splat
             dx_splat = opaque(builder, splat(builder, d_x, LANES)) \
                 if acc_t is F32 and len(rows) > 1 and not one_vector else None
-            start = None
-            if biased:  # -bias * the sum of each lane's four activations
-                bias = quad_dot(builder, const_vec(I8, [_BIAS[fmt]] * 32), xq, w_unsigned=True)
-                start = builder.sub(ir.Constant(vec(I32, LANES), [0] * LANES), bias)
             for i, (quants, d_w, m_w) in enumerate(weights):
                 quads = quad_dot(builder, quants, xq, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
                 # the scale's product is exact (two f16 significands fit in f32): a product of splats
@@ -256,8 +254,6 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
         parts = [builder.shuffle_vector(vector, vector, const_vec(I32, range(16 * h, 16 * h + 16))) for h in (0, 1)]
         return concat(builder, *(f(part) for part in parts))
 
-    zero_i32 = ir.Constant(vec(I32, LANES), [0] * LANES)
-    bias_vec = const_vec(I8, [_BIAS.get(fmt, 0)] * 32)
     with span.loop(builder, block_stride) as (b, block):
         d_w = builder.fpext(load_at(builder, fields["d"], block, F16, n_rows), vec(F32, n_rows))
         m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
@@ -288,13 +284,12 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                     starts = [builder.sext(load_at(builder, xq_ptr, builder.add(at, ir.Constant(I64, 64 + 16 * h)),
                                                    I16, LANES), vec(I32, LANES)) for h in (0, 1)]
                 elif biased:  # (VNNI) a half's quad dot with the bias is already in the pairs' lane order
-                    starts = [builder.sub(zero_i32, quad_dot(builder, bias_vec, half, w_unsigned=True))
-                              for half in x_halves]
+                    starts = [_bias_start(builder, fmt, half) for half in x_halves]
             else:
                 xq = load_at(builder, xq_ptr, builder.mul(b, ir.Constant(I64, 32)), I8, 32)
                 x_halves = [builder.shuffle_vector(xq, xq, const_vec(I32, lanes)) for lanes in _X_HALVES]
                 if biased:  # -bias * the sum of each lane's four activations, in the pairs' lane order
-                    start = builder.sub(zero_i32, quad_dot(builder, bias_vec, xq, w_unsigned=True))
+                    start = _bias_start(builder, fmt, xq)
                     starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
                               for h in (0, 1)]
             d_tokens.append(builder.load(builder.gep(xd_ptr, [b])))
