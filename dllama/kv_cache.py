@@ -5,8 +5,9 @@ sized when the root says so (its capacity, in positions: what the sequence may s
 at the full context, so many short conversations share the RAM one long one would take. The sum
 of the capacities is bounded by the budget every node declared at set-up; a slot is freed (its
 RAM returned) when its sequence is evicted. f16 like llama.cpp's default cache, V stored
-transposed (as llama.cpp does without flash attention) so each output dimension is one
-contiguous dot product.
+transposed (as llama.cpp does without flash attention: each output dimension one dot product) in
+tiles of 32 positions, so the values of the positions attended are one contiguous run
+(kernels/attention.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextOverflow
+from .kernels.attention import V_TILE
 
 MAX_SLOTS = 64  # sequences whose KV caches a node keeps at once
-POSITION_STEP = 32  # capacities are multiples of the attention kernel's step (its zero padding)
+POSITION_STEP = V_TILE  # capacities are multiples of the attention kernel's step (its zero padding)
 
 
 def round_capacity(positions: int) -> int:
@@ -30,8 +32,8 @@ def bytes_per_position(config: ModelConfig, n_kv_heads: int) -> int:
 
 
 class KVCache:
-    """Slots 0..n_slots-1, each None (empty) or K (layers, heads, capacity, head_dim) and
-    transposed V (layers, heads, head_dim, capacity)."""
+    """Slots 0..n_slots-1, each None (empty) or K (layers, heads, capacity, head_dim) and V in
+    tiles (layers, heads, capacity / V_TILE, head_dim, V_TILE)."""
 
     def __init__(self, config: ModelConfig, n_kv_heads: int, n_slots: int, max_capacity: int, budget: int):
         self.shape = (config.n_layers, n_kv_heads, config.head_dim)
@@ -63,17 +65,17 @@ class KVCache:
             return
         layers, heads, hd = self.shape
         k = np.zeros((layers, heads, capacity, hd), np.float16)
-        v = np.zeros((layers, heads, hd, capacity), np.float16)
+        v = np.zeros((layers, heads, capacity // V_TILE, hd, V_TILE), np.float16)
         old_k, old_v = self.k[slot], self.v[slot]
         if old_k is not None:
-            keep = min(capacity, old_k.shape[2])
+            keep = min(capacity, old_k.shape[2])  # (whole tiles: capacities are multiples of V_TILE)
             k[:, :, :keep] = old_k[:, :, :keep]
-            v[..., :keep] = old_v[..., :keep]
+            v[:, :, :keep // V_TILE] = old_v[:, :, :keep // V_TILE]
         self.k[slot], self.v[slot] = k, v
 
     def free(self, slot: int) -> None:
         self.k[slot] = self.v[slot] = None
 
     def layer(self, slot: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Slot's K (heads, capacity, head_dim) and transposed V (heads, head_dim, capacity) of layer i."""
+        """Slot's K (heads, capacity, head_dim) and V (heads, capacity / V_TILE, head_dim, V_TILE) of layer i."""
         return self.k[slot][i], self.v[slot][i]

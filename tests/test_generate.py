@@ -224,7 +224,7 @@ async def test_context_is_what_was_asked_and_the_cache_is_padded(gguf_model):
     assert engine.ctx_size == 30 and engine.kv_budget == 32
     await engine.feed([1, 2, 3], GREEDY)
     k, v = engine.model.kv.layer(0, 0)
-    assert k.shape[1] == 32 and v.shape[2] == 32
+    assert k.shape[1] == 32 and v.shape[1:] == (1, k.shape[2], 32)
 
 
 # ------------------------------------------------------------------ end of generation

@@ -488,6 +488,35 @@ def test_attention_matches_reference(T, start, Hq, Hkv, kv_map):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=5e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("start", [0, 30, 31, 70])  # n_pad: 32 (one step), 32 (full), 64, 96
+def test_attention_is_ggml_s_single_token_path_bit_for_bit(start):
+    """One query against the cache: its scores are dot_f16 (ggml_vec_dot_f16's order) of its f16
+    rounding with each key, scaled; the softmax as `softmax` computes it, rounded to f16; each
+    output dimension dot_f16 of those weights, zero-padded to the dot's step of 32, with that
+    dimension's values (llama.cpp's transposed V). The cache's values, in tiles of 32 positions,
+    and the dots of two accumulators per 512-bit register must give exactly these bits."""
+    from dllama.kernels.attention import softmax
+    from dllama.kernels.matmul import dot_f16
+
+    rng = np.random.default_rng(start)
+    Hkv, D, ctx = 2, 64, 96
+    n = start + 1
+    k, v = _kv(rng, Hkv, ctx, D, n)
+    q = rng.standard_normal((1, 4, D)).astype(np.float32)
+    kv_of_head = np.array([0, 0, 1, 1], np.int64)
+    ours = attention(q, k, v, kv_of_head, start)
+    scale = np.float32(1.0) / np.sqrt(np.float32(D))
+    n_pad = -(-n // 32) * 32
+    for h in range(4):
+        keys, values = k[kv_of_head[h]].view(np.uint16), v[kv_of_head[h]].view(np.uint16)
+        q16 = q[0, h].astype(np.float16).view(np.uint16)
+        scores = np.array([dot_f16(keys, p * D, q16, 0, D) for p in range(n)], np.float32) * scale
+        weights = np.zeros(n_pad, np.float16)
+        weights[:n] = softmax(scores[None])[0]
+        expected = [dot_f16(values, d * ctx, weights.view(np.uint16), 0, n_pad) for d in range(D)]
+        np.testing.assert_array_equal(ours[0, h], np.array(expected, np.float32), err_msg=f"head {h}")
+
+
 @pytest.mark.parametrize("window", [1, 5, 8])
 def test_sliding_window_attention_matches_reference(window):
     """A query sees the last `window` positions, itself included; an explicit scale replaces 1/sqrt(D)."""
@@ -753,9 +782,20 @@ def test_q8_activations_assembled_column_major_give_the_same_product():
 
 # ------------------------------------------------------------------ the two x86 instruction paths
 
+def attention_case(D: int, start: int) -> np.ndarray:
+    """Attention of 5 queries of 6 heads (GQA: 2 KV heads) at positions start.. over a random cache."""
+    rng = np.random.default_rng(D + start)
+    k = rng.standard_normal((2, 96, D)).astype(np.float16)
+    v = rng.standard_normal((2, D, 96)).astype(np.float16)
+    q = rng.standard_normal((5, 6, D)).astype(np.float32)
+    return attention(q, k, v, np.array([0, 0, 0, 1, 1, 1]), start)
+
+
+ATTENTION_CASES = [(64, 0), (64, 40), (80, 27), (8, 60)]  # (head_dim, start): a key's tail, rows < a strip
+
 _PRODUCTS_SCRIPT = """
 import sys, numpy as np
-from tests.test_kernels import PACKABLE, QUANTIZED, activations, weight_matrix
+from tests.test_kernels import ATTENTION_CASES, PACKABLE, QUANTIZED, activations, attention_case, weight_matrix
 from dllama.kernels.matmul import matmul
 from dllama.quant import QType
 from dllama.kernels.simd import X86_32_REGISTERS, X86_VNNI
@@ -765,7 +805,8 @@ np.savez(sys.argv[1], **{f"{q.name}-{wide}": matmul(weight_matrix(q, 11, 512, se
                          for q in QUANTIZED for wide in (False, True)},
          **{f"{q.name}-packed": matmul(weight_matrix(q, 11, 512, seed=9).packed().data, q, activations(9, 512, seed=10))
             for q in PACKABLE},
-         f16=matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10)))
+         f16=matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10)),
+         **{f"attention-{D}-{start}": attention_case(D, start) for D, start in ATTENTION_CASES})
 """
 
 
@@ -794,6 +835,8 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
         np.testing.assert_array_equal(avx2[f"{q.name}-packed"], avx2[f"{q.name}-False"], err_msg=f"{q.name} packed")
     f16 = matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10))
     np.testing.assert_array_equal(f16, avx2["f16"], err_msg="F16 (strips of 2 rows with AVX2)")
+    for D, start in ATTENTION_CASES:  # f16 dots of a pair of GGML's accumulators in one 512-bit register
+        np.testing.assert_array_equal(attention_case(D, start), avx2[f"attention-{D}-{start}"], err_msg=f"{D} {start}")
 
 
 def test_quantized_dots_use_sdot_on_aarch64():

@@ -18,7 +18,8 @@ from . import CACHE
 from .activations import round_f16
 from .matmul import f16_tail
 from .ops import expf
-from .simd_float import F16_STRIP_ROWS, f16_at, f16_bits, f16_round, hsum8, row_f16_f32, strip_f16_f32
+from .simd_float import (F16_STRIP_ROWS, f16_at, f16_bits, f16_round, hsum8, row_f16_f32, row_f16_f32_tiled,
+                          strip_f16_f32, strip_f16_f32_tiled)
 
 # ------------------------------------------------------------------ softmax
 
@@ -76,6 +77,20 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------ attention
 
+# The cache's values, transposed as llama.cpp keeps them without flash attention (a dot per output
+# dimension over the positions), in tiles of V_TILE positions: (tiles, head_dim, V_TILE). A dot's
+# step of 32 values reads one tile's row, so a head's values over the positions attended are one
+# contiguous run, as its keys are. Rows of the whole capacity (head_dim, capacity) made each dot a
+# short stream of its own, capacity * 2 bytes from the next.
+V_TILE = 32
+
+
+def values_in_tiles(v_t: np.ndarray) -> np.ndarray:
+    """Transposed values (..., head_dim, capacity) as the cache holds them: (..., capacity / V_TILE,
+    head_dim, V_TILE)."""
+    *lead, D, n = v_t.shape
+    return np.ascontiguousarray(np.moveaxis(v_t.reshape(*lead, D, n // V_TILE, V_TILE), -2, -3))
+
 
 @njit(inline="always", nogil=True, cache=CACHE)
 def _dots_in_strips(rows, first, stop, x, n, out):
@@ -91,6 +106,20 @@ def _dots_in_strips(rows, first, stop, x, n, out):
         strip_f16_f32(rows, r, 1, x, 0, n, out)
     if (stop - first) % F16_STRIP_ROWS:
         strip_f16_f32(rows, stop - F16_STRIP_ROWS, 1, x, 0, n, out)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _value_dots(values, D, probs, n, out):
+    """out[0, d] = the dot of value row d (tiles of V_TILE positions: see CacheSpans) with probs[0]
+    over the first n positions (a multiple of 32), for d < D, in strips as _dots_in_strips."""
+    if D < F16_STRIP_ROWS:
+        for d in range(D):
+            row_f16_f32_tiled(values, d, 1, D, probs, 0, n, out)
+        return
+    for d in range(0, D - F16_STRIP_ROWS + 1, F16_STRIP_ROWS):
+        strip_f16_f32_tiled(values, d, 1, D, probs, 0, n, out)
+    if D % F16_STRIP_ROWS:
+        strip_f16_f32_tiled(values, D - F16_STRIP_ROWS, 1, D, probs, 0, n, out)
 
 
 def _f16_at_address(typingctx, address, *shape):
@@ -121,13 +150,13 @@ def _f16_array_at(typingctx, address, size):
 @intrinsic
 def _f16_rows_at(typingctx, address, rows, cols):
     """rows x cols f16 values at an address, a 2-D array (_f16_at_address): a head's keys
-    (positions x head_dim) or transposed values."""
+    (positions x head_dim) or values (tiles x head_dim rows of V_TILE)."""
     return _f16_at_address(typingctx, address, rows, cols)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
 def _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, t, h):
-    """Token t's key and value of KV head h into its sequence's cache (f16, V transposed)."""
+    """Token t's key and value of KV head h into its sequence's cache (f16, V in tiles)."""
     Hkv = k_new.shape[1]
     j = sequence[t]
     n_ctx, p = ctx[j], starts[j] + t - offsets[j]
@@ -136,7 +165,21 @@ def _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, laye
     head = (layer * Hkv + h) * n_ctx * D
     for d in range(D):
         k_cache[head + p * D + d] = f16_bits(k_new[t, h, d])
-        v_cache[head + d * n_ctx + p] = f16_bits(v_new[t, h, d])
+        v_cache[head + p // V_TILE * D * V_TILE + d * V_TILE + p % V_TILE] = f16_bits(v_new[t, h, d])
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _span(t, h, sequence, starts, offsets, ctx, k_base, v_base, kv_of_head, layer, Hkv, D, window):
+    """What token t's head h reads (see _attention): the addresses of its KV head's keys and values
+    in its sequence's cache, its positions n (itself included), the first it sees, n rounded up to
+    the dot step (within the capacity), and the capacity."""
+    j = sequence[t]
+    n_ctx = ctx[j]
+    n = starts[j] + t - offsets[j] + 1
+    lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
+    n_pad = min((n + 31) // 32 * 32, n_ctx)  # (the dot's step: the masked cells past n add exact zeros, as GGML's)
+    head = (layer * Hkv + kv_of_head[h]) * n_ctx * D
+    return k_base[j] + 2 * head, v_base[j] + 2 * head, n, lo, n_pad, n_ctx
 
 
 ATTENTION_TOKENS = 16  # tokens per job of one head, at most (see _attention)
@@ -152,7 +195,7 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
     same of the destination, n) gives the destination the source's first n positions.
     Sequence j: tokens offsets[j]..offsets[j+1]-1 of q (T, Hq * D) f32 (rounded to f16 here, as
     llama.cpp rounds its queries), at positions starts[j]..; its cache at addresses k_base[j] /
-    v_base[j]: K (layers, Hkv, ctx[j], D) and transposed V (layers, Hkv, D, ctx[j]), f16 bits, of
+    v_base[j]: K (layers, Hkv, ctx[j], D) and V in tiles (layers, Hkv, ctx[j] / V_TILE, D, V_TILE), f16 bits, of
     which layer `layer` is read. k_new, v_new (T, Hkv, D) f32: the tokens' keys and values, stored
     first (f16, rounded to nearest even), or none (0 rows). threads: how many run the jobs (they
     are sized for it). out (T, Hq, D) f32. The caches are addressed by offsets from their starts (a
@@ -167,7 +210,7 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
     if k_new.shape[0] == 1:  # one token (decode): a few stores, less than a thread team's start
         for h in range(Hkv):
             _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, 0, h)
-    else:
+    elif k_new.shape[0] > 1:
         for job in prange(k_new.shape[0] * Hkv):
             _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, job // Hkv, job % Hkv)
     if copies.shape[0] > 0:  # (rarely: a prompt start shared; no thread team started otherwise)
@@ -180,15 +223,16 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
             src_head, dst_head = (layer * Hkv + h) * src_ctx * D, (layer * Hkv + h) * dst_ctx * D
             for i in range(n * D):
                 k_to[dst_head + i] = k_from[src_head + i]
-            for d in range(D):  # V transposed: a run of n positions per dimension
-                at, to = src_head + d * src_ctx, dst_head + d * dst_ctx
-                for i in range(n):
-                    v_to[to + i] = v_from[at + i]
-    pad = 32  # the vector dot's step; the masked cells past n add exact zeros, as GGML's
+            whole = n // V_TILE * V_TILE * D  # V: whole tiles, then the last one's first positions
+            for i in range(whole):
+                v_to[dst_head + i] = v_from[src_head + i]
+            for d in range(D):
+                for i in range(n % V_TILE):
+                    v_to[dst_head + whole + d * V_TILE + i] = v_from[src_head + whole + d * V_TILE + i]
     # Jobs of one head x up to ATTENTION_TOKENS tokens, head-major: a thread's share is whole heads
     # (token-major gave one thread the early tokens, the other the late ones, which see more
-    # positions), and a job's scratch rows are allocated once for its tokens, not per (token, head)
-    # (numba's allocation counters are shared by the threads). A 128-token prefill's attention
+    # positions), and a job's scratch rows serve its tokens, not one (token, head) (numba's
+    # allocation counters are shared by the threads). A 128-token prefill's attention
     # (32 heads) at 2 threads: 7.7-8.1 ms before, slower than 1 thread's 6.6; now 3.7-6.6 ms.
     # Fewer tokens per job where they would give each thread few jobs: 8 decoding sequences of
     # SmolLM2 (9 heads) were 9 jobs of 8 tokens, 5 for one thread and 4 for the other
@@ -198,22 +242,23 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
     for j in range(len(starts)):
         longest = max(longest, ctx[j])
     main = D - D % 32  # the strips' part of a key; the rest added by f16_tail
-    for job in prange(Hq * chunks):
+    jobs = Hq * chunks
+    # each job's scratch rows, allocated here, not five allocations a job (a step of 8 decoding
+    # sequences of SmolLM2, at their first position: 40.5 -> 36.7 us a layer)
+    all_weights = np.empty((jobs, longest), np.float32)  # scores, then the softmax
+    all_probs = np.empty((jobs, longest), np.float32)  # the softmax rounded to f16 (its values)
+    all_queries = np.empty((jobs, D), np.float32)  # the query's f16 values
+    all_query16 = np.empty((jobs, D), np.uint16)  # ... and bits (f16_tail's)
+    all_results = np.empty((jobs, D), np.float32)
+    for job in prange(jobs):
         h, first = job // chunks, job % chunks * per_job
-        weights = np.empty((1, longest), np.float32)  # scores, then the softmax
-        probs = np.empty((1, longest), np.float32)  # the softmax rounded to f16 (its values)
-        query = np.empty((1, D), np.float32)  # the query's f16 values
-        query16 = np.empty(D, np.uint16)  # ... and bits (f16_tail's)
-        result = np.empty((1, D), np.float32)
+        weights, probs = all_weights[job:job + 1], all_probs[job:job + 1]
+        query, query16, result = all_queries[job:job + 1], all_query16[job], all_results[job:job + 1]
         for t in range(first, min(T, first + per_job)):
-            j = sequence[t]
-            kv, n_ctx = kv_of_head[h], ctx[j]
-            n = starts[j] + t - offsets[j] + 1
-            lo = max(0, n - window) if window > 0 else 0  # masked before: weight 0 in its cache cell
-            n_pad = min((n + pad - 1) // pad * pad, n_ctx)
-            head = (layer * Hkv + kv) * n_ctx * D
-            keys = _f16_rows_at(k_base[j] + 2 * head, n_ctx, D)  # (positions, D)
-            values = _f16_rows_at(v_base[j] + 2 * head, D, n_ctx)  # transposed: (D, positions)
+            keys_at, values_at, n, lo, n_pad, n_ctx = _span(t, h, sequence, starts, offsets, ctx, k_base, v_base,
+                                                            kv_of_head, layer, Hkv, D, window)
+            keys = _f16_rows_at(keys_at, n_ctx, D)  # (positions, D)
+            values = _f16_rows_at(values_at, n_ctx // V_TILE * D, V_TILE)  # (tiles x D, V_TILE)
             for i in range(D):
                 query16[i] = f16_bits(q[t, h * D + i])
                 query[0, i] = f16_at(query16, i)
@@ -230,7 +275,7 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
             probs[0, :n_pad] = 0.0
             for s in range(rounded.shape[0]):
                 rounded[s] = f16_round(scores[s])
-            _dots_in_strips(values, 0, D, probs, n_pad, result)  # n_pad: a multiple of 32
+            _value_dots(values, D, probs, n_pad, result)  # n_pad: a multiple of 32
             for d in range(D):
                 out[t, h, d] = result[0, d]
 
@@ -241,8 +286,8 @@ def _address(a: np.ndarray) -> int:
 
 class CacheSpans:
     """The caches a forward pass's sequences attend over: sequence j has counts[j] tokens at
-    positions starts[j].., its cache K (layers, Hkv, capacity, D) and transposed V (layers, Hkv,
-    D, capacity), float16, C-contiguous, capacity a multiple of 32. copies: (source, destination,
+    positions starts[j].., its cache K (layers, Hkv, capacity, D) and V in tiles (layers, Hkv,
+    capacity / V_TILE, D, V_TILE), float16, C-contiguous, capacity a multiple of 32. copies: (source, destination,
     n), each a (K, V) pair of such caches: layer by layer, once the tokens' keys and values are
     written, the destination takes the source's first n positions (a shared prompt start, which a
     sequence of the same pass may be computing). Worked out once for all layers."""
@@ -252,9 +297,9 @@ class CacheSpans:
         for k, v in [*zip(k_caches, v_caches, strict=True), *copied]:
             if k.dtype != np.float16 or v.dtype != np.float16 or not (k.flags.c_contiguous and v.flags.c_contiguous):
                 raise ValueError("KV caches must be C-contiguous float16")
-            if k.shape[2] % 32 or v.shape[:2] != k.shape[:2] or v.shape[2:] != k.shape[2:][::-1]:
-                raise ValueError("KV caches must be (layers, heads, capacity, head_dim) and its transpose, "
-                                 "the capacity a multiple of 32")
+            if k.shape[2] % V_TILE or v.shape != (*k.shape[:2], k.shape[2] // V_TILE, k.shape[3], V_TILE):
+                raise ValueError(f"KV caches must be (layers, heads, capacity, head_dim) and (layers, heads, "
+                                 f"capacity / {V_TILE}, head_dim, {V_TILE}), the capacity a multiple of {V_TILE}")
         self.caches = (k_caches, v_caches, copied)  # kept alive while the kernel reads their addresses
         self.k_base = np.array([_address(k) for k in k_caches], np.int64)
         self.v_base = np.array([_address(v) for v in v_caches], np.int64)
@@ -314,7 +359,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache_t: np.ndarray, kv_of_h
     T, Hq, D = q.shape
     if D % 8 or k_cache.shape[1] % 32:
         raise ValueError("head dimension must be a multiple of 8, cache length of 32")
-    spans = CacheSpans([np.ascontiguousarray(k_cache)[None]], [np.ascontiguousarray(v_cache_t)[None]], [start], [T])
+    spans = CacheSpans([np.ascontiguousarray(k_cache)[None]], [values_in_tiles(v_cache_t)[None]], [start], [T])
     return attend(q, None, None, spans, 0, kv_of_head, scale, window)
 
 
