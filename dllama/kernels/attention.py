@@ -206,7 +206,8 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
     Hkv = k_new.shape[1]
     sequence = np.empty(T, np.int64)
     for j in range(len(starts)):
-        sequence[offsets[j]:offsets[j + 1]] = j
+        for t in range(offsets[j], offsets[j + 1]):  # (a slice assignment here is a thread team's job each)
+            sequence[t] = j
     if k_new.shape[0] == 1:  # one token (decode): a few stores, less than a thread team's start
         for h in range(Hkv):
             _store_kv(k_new, v_new, k_base, v_base, ctx, starts, offsets, sequence, layer, D, 0, h)
