@@ -16,9 +16,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextOverflow
-from .kernels.attention import V_TILE
 
 MAX_SLOTS = 64  # sequences whose KV caches a node keeps at once
+V_TILE = 32  # positions per tile of the values (the attention's dot step: kernels/attention.py)
 POSITION_STEP = V_TILE  # capacities are multiples of the attention kernel's step (its zero padding)
 
 

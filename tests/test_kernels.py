@@ -644,6 +644,36 @@ def test_attention_rows_do_not_depend_on_the_batch(D):
     np.testing.assert_array_equal(attention(q[5:12], k, v, kv_of_head, start + 5), batched[5:12])
 
 
+@pytest.mark.parametrize("T", [3, 40])  # within kernels.SERIAL_VALUES (rows on the calling thread), and past it
+def test_row_kernels_give_each_row_s_bits_alone(T):
+    """RMSNorm, RoPE, SiLU, GELU and the Q8 / Q8_K quantizers: rows computed together (on the calling
+    thread, or split between threads) are the bits of each row computed alone."""
+    from dllama.kernels import SERIAL_VALUES
+
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, 512)).astype(np.float32)
+    assert (x.size <= SERIAL_VALUES) == (T == 3)
+    heads = rng.standard_normal((T, 8, 64)).astype(np.float32)
+    norm = rng.standard_normal(512).astype(np.float32)
+
+    def rotated(h, positions):
+        h = h.copy()
+        rope(h, positions, 64, 10000.0, False)
+        return h
+
+    def quantized(rows):
+        q8, paired = Q8Activations.quantize_paired(rows, 8)
+        q8k = Q8KActivations.quantize(rows)
+        return (q8.q, q8.d, q8.ds, paired, Q8Activations.quantize(rows).q, q8k.q, q8k.d, q8k.sums)
+
+    together = (rmsnorm(x, norm, 1e-5), silu_mul(x), gelu_mul(x), rotated(heads, np.arange(T)), *quantized(x))
+    for t in range(T):
+        alone = (rmsnorm(x[t:t + 1], norm, 1e-5), silu_mul(x[t:t + 1]), gelu_mul(x[t:t + 1]),
+                 rotated(heads[t:t + 1], np.array([t])), *quantized(x[t:t + 1]))
+        for i, (rows, row) in enumerate(zip(together, alone)):
+            np.testing.assert_array_equal(rows[t:t + 1], row, err_msg=f"output {i}, row {t}")
+
+
 def _check_packed_rows(qtype, cols: int, spans: int, row_counts, token_counts) -> None:
     from dllama.kernels.packing import PackedRows
 

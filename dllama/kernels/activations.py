@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import QK
-from . import CACHE
+from . import CACHE, SERIAL_VALUES
 from .simd_float import f16_round
 
 
@@ -48,8 +48,9 @@ def _quantize_q8_row(x, xq, xd, xds, t):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _quantize_q8(x, xq, xd, xds):
-    if x.shape[0] == 1:  # one token (decode): no thread team, whose start costs more than the row
-        _quantize_q8_row(x, xq, xd, xds, 0)
+    if x.size <= SERIAL_VALUES:  # a few rows: no thread team
+        for t in range(x.shape[0]):
+            _quantize_q8_row(x, xq, xd, xds, t)
     else:
         for t in prange(x.shape[0]):
             _quantize_q8_row(x, xq, xd, xds, t)
@@ -89,9 +90,14 @@ def _pair_q8(q, bias, out):
 def _quantize_q8_paired(x, xq, xd, xds, bias, out):
     """_quantize_q8 and _pair_q8 in one pass over the tokens (one call, each row still in cache)."""
     q64, out64, sums = xq.view(np.uint64), out.view(np.uint64), out.view(np.int16)
-    for t in prange(x.shape[0]):
-        _quantize_q8_row(x, xq, xd, xds, t)
-        _pair_q8_row(xq, q64, bias, out64, sums, t)
+    if x.size <= SERIAL_VALUES:  # as _quantize_q8
+        for t in range(x.shape[0]):
+            _quantize_q8_row(x, xq, xd, xds, t)
+            _pair_q8_row(xq, q64, bias, out64, sums, t)
+    else:
+        for t in prange(x.shape[0]):
+            _quantize_q8_row(x, xq, xd, xds, t)
+            _pair_q8_row(xq, q64, bias, out64, sums, t)
 
 
 def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
@@ -209,8 +215,9 @@ def _quantize_q8_k_row(x, xq, xd, xs, t):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _quantize_q8_k(x, xq, xd, xs):
-    if x.shape[0] == 1:  # as _quantize_q8
-        _quantize_q8_k_row(x, xq, xd, xs, 0)
+    if x.size <= SERIAL_VALUES:  # as _quantize_q8
+        for t in range(x.shape[0]):
+            _quantize_q8_k_row(x, xq, xd, xs, t)
     else:
         for t in prange(x.shape[0]):
             _quantize_q8_k_row(x, xq, xd, xs, t)

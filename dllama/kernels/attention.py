@@ -14,6 +14,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
+from ..kv_cache import V_TILE
 from . import CACHE
 from .activations import round_f16
 from .matmul import f16_tail
@@ -81,8 +82,8 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 # dimension over the positions), in tiles of V_TILE positions: (tiles, head_dim, V_TILE). A dot's
 # step of 32 values reads one tile's row, so a head's values over the positions attended are one
 # contiguous run, as its keys are. Rows of the whole capacity (head_dim, capacity) made each dot a
-# short stream of its own, capacity * 2 bytes from the next.
-V_TILE = 32
+# short stream of its own, capacity * 2 bytes from the next. (V_TILE: kv_cache.py, which sizes the caches)
+assert V_TILE == 32, "a tile's row is one step of the f16 dot"
 
 
 def values_in_tiles(v_t: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..config import RopeScaling
-from . import CACHE
+from . import CACHE, SERIAL_VALUES
 from .simd_float import f16_bits, f32_bits, f32_from_bits, f64_bits, f64_from_bits, fma, fma64
 
 # ------------------------------------------------------------------ RMSNorm
@@ -34,8 +34,9 @@ def _rmsnorm_row(x, weight, eps, out, t):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _rmsnorm(x, weight, eps, out):
-    if x.shape[0] == 1:  # one token (decode): no thread team, whose start costs more than the row
-        _rmsnorm_row(x, weight, eps, out, 0)
+    if x.size <= SERIAL_VALUES:  # a few rows: no thread team
+        for t in range(x.shape[0]):
+            _rmsnorm_row(x, weight, eps, out, t)
     else:
         for t in prange(x.shape[0]):
             _rmsnorm_row(x, weight, eps, out, t)
@@ -99,9 +100,9 @@ def _rope_head(x, cos, sin, neox, t, h):
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _rope(x, cos, sin, neox):
     T, H, _ = x.shape
-    if T == 1:  # as _rmsnorm
-        for h in range(H):
-            _rope_head(x, cos, sin, neox, 0, h)
+    if x.size <= SERIAL_VALUES:  # as _rmsnorm
+        for job in range(T * H):
+            _rope_head(x, cos, sin, neox, job // H, job % H)
     else:
         for job in prange(T * H):
             _rope_head(x, cos, sin, neox, job // H, job % H)
@@ -225,8 +226,9 @@ def _silu_mul(gate, up, at, out):
     """out[t, i] = silu(gate[t, i]) * up[t, at + i]: each row's values as contiguous views, which
     LLVM vectorizes (as attention._softmax_row's)."""
     n = out.shape[1]
-    if gate.shape[0] == 1:  # as _rmsnorm
-        _silu_mul_row(gate[0, :n], up[0, at:at + n], out[0])
+    if out.size <= SERIAL_VALUES:  # as _rmsnorm
+        for t in range(gate.shape[0]):
+            _silu_mul_row(gate[t, :n], up[t, at:at + n], out[t])
     else:
         for t in prange(gate.shape[0]):
             _silu_mul_row(gate[t, :n], up[t, at:at + n], out[t])
@@ -307,8 +309,9 @@ def _gelu_mul_row(gate, up, table, out):
 def _gelu_mul(gate, up, at, table, out):
     """As _silu_mul, for GELU."""
     n = out.shape[1]
-    if gate.shape[0] == 1:  # as _rmsnorm
-        _gelu_mul_row(gate[0, :n], up[0, at:at + n], table, out[0])
+    if out.size <= SERIAL_VALUES:  # as _rmsnorm
+        for t in range(gate.shape[0]):
+            _gelu_mul_row(gate[t, :n], up[t, at:at + n], table, out[t])
     else:
         for t in prange(gate.shape[0]):
             _gelu_mul_row(gate[t, :n], up[t, at:at + n], table, out[t])
