@@ -90,7 +90,6 @@ def _f16_tile(n_rows: int, n_tokens: int, in_tiles: bool = False):
     def codegen(context, builder, signature, args):
         if in_tiles:
             w_arr, row, step, run, x_arr, tok, count, out = args
-            args = (w_arr, row, step, x_arr, tok, count, out)
             run = context.cast(builder, run, signature.args[3], types.intp)
             ty = signature.args[:3] + signature.args[4:]
         else:
