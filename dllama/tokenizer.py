@@ -42,6 +42,8 @@ class Tokenizer:
         self.add_bos = bool(self._llama._model.add_bos_token()) if hasattr(self._llama._model, "add_bos_token") \
             else bos_id is not None
         self.vocab_size = self._llama.n_vocab()
+        self._pieces: dict[int, bytes] = {}  # what libllama answered, per token (see piece_bytes)
+        self._eog: dict[int, bool] = {}
         self._template = None
         if chat_template:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -70,13 +72,24 @@ class Tokenizer:
         return self.piece_bytes(token).decode("utf-8", errors="replace")
 
     def piece_bytes(self, token: int) -> bytes:
-        return self._llama.detokenize([token], special=True)
+        # each generated token asks (a server's event loop, for every stream): a dictionary's
+        # lookup, not a call into libllama, whose code and tables a forward step has evicted
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._llama.detokenize([token], special=True)
+        return piece
 
     def decode(self, tokens: Iterable[int]) -> str:
         return self._llama.detokenize(list(tokens)).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         """End of generation: EOS or any token the vocabulary marks as end-of-generation (<|im_end|>)."""
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = self._ask_eog(token)
+        return eog
+
+    def _ask_eog(self, token: int) -> bool:
         if token == self.eos_id:
             return True
         vocab = self._llama._model.vocab if hasattr(self._llama._model, "vocab") else None

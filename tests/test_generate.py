@@ -251,6 +251,19 @@ def test_eog_tokens(tokenizer):
     assert not any(tokenizer.is_eog(t) for t in tokenizer.encode("Hello world"))
 
 
+def test_pieces_and_eog_flags_are_libllama_s_every_time_asked(tokenizer):
+    """piece_bytes and is_eog keep what libllama answered per token: asked again (the cached
+    answer), every token of the vocabulary gets libllama's own bytes and end-of-generation flag."""
+    from llama_cpp import llama_cpp as lib
+
+    llama = tokenizer._llama
+    vocab = llama._model.vocab
+    for _ in range(2):
+        for token in range(tokenizer.vocab_size):
+            assert tokenizer.piece_bytes(token) == llama.detokenize([token], special=True), token
+            assert tokenizer.is_eog(token) == (token == tokenizer.eos_id or bool(lib.llama_vocab_is_eog(vocab, token)))
+
+
 # ------------------------------------------------------------------ sampling through the engine
 
 

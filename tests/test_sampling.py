@@ -84,6 +84,10 @@ def test_greedy_ties_go_to_the_lowest_id_across_slices():
     for n in (1, 2, 4):
         parts = [summarize(logits[a:b], a, params) for a, b in cuts(100, n, 3)]
         assert Sampler(params).pick(parts[::-1]) == 17
+    logits[[30, 60]] = np.inf  # (not finite: the general merge) the best are infinite: the lowest of them
+    for n in (1, 2, 4):
+        parts = [summarize(logits[a:b], a, params) for a, b in cuts(100, n, 3)]
+        assert Sampler(params).pick(parts[::-1]) == 30
 
 
 # ------------------------------------------------------------------ split == whole
