@@ -61,6 +61,31 @@ def _ggml_reduce_pairs(builder, s01, s23):
     return _ggml_reduce_8(builder, builder.fadd(low, high))
 
 
+def _ggml_reduce_pairs_4(builder, pairs):
+    """_ggml_reduce_pairs of four dots at once -> <4 x float>, lane i dot i's sum: each step of
+    GGML's tree (the pairs' sum, its halves' sum, t_k = x_k + x_k+4, (t0+t1)+(t2+t3)) as one vector
+    operation on the four, lanes gathered by shuffles; the same additions of the same values. A
+    decode strip's dots are short (a key: two steps of 32), so one dot's reduction alone (scalar
+    extracts and adds) cost more than its multiply-adds."""
+    both = [builder.fadd(s01, s23) for s01, s23 in pairs]  # 16 lanes: s0+s2, then s1+s3
+
+    def halves_sum(a, b):  # (x_a | x_b), x = (s0+s2) + (s1+s3)
+        low = builder.shuffle_vector(a, b, const_vec(I32, [*range(LANES), *range(2 * LANES, 3 * LANES)]))
+        high = builder.shuffle_vector(a, b, const_vec(I32, [*range(LANES, 2 * LANES), *range(3 * LANES, 4 * LANES)]))
+        return builder.fadd(low, high)
+
+    x01, x23 = halves_sum(both[0], both[1]), halves_sum(both[2], both[3])
+    # t_k = x_k + x_k+4 of each dot: four lanes per dot
+    firsts = [i + 4 * h for h in range(8) for i in range(4) if h % 2 == 0]
+    lasts = [i + 4 * h for h in range(8) for i in range(4) if h % 2 == 1]
+    t = builder.fadd(builder.shuffle_vector(x01, x23, const_vec(I32, firsts)),
+                     builder.shuffle_vector(x01, x23, const_vec(I32, lasts)))
+    # (t0+t1)+(t2+t3): lanes 4i + (0, 2) hold t0+t1 and t2+t3 (t1+t0: the same sum), then lane 4i
+    u = builder.fadd(t, builder.shuffle_vector(t, t, const_vec(I32, [4 * (i // 4) + (i % 4 ^ 1) for i in range(16)])))
+    v = builder.fadd(u, builder.shuffle_vector(u, u, const_vec(I32, [4 * (i // 4) + (i % 4 ^ 2) for i in range(16)])))
+    return builder.shuffle_vector(v, v, const_vec(I32, [0, 4, 8, 12]))
+
+
 def _ggml_reduce_8(builder, x):
     """The end of GGML_F32_VEC_REDUCE, once its four accumulators are one x: t_k = x_k + x_k+4,
     then (t0+t1)+(t2+t3)."""
@@ -137,12 +162,16 @@ def _f16_tile(n_rows: int, n_tokens: int, in_tiles: bool = False):
                     w = builder.fpext(builder.bitcast(w16, vec(F16, 2 * LANES)), vec(F32, 2 * LANES))
                     for x, token_slots in zip(xs, row_slots):
                         builder.store(fmuladd(builder, w, x, builder.load(token_slots[k])), token_slots[k])
-        for r, row_slots in zip(rows, slots):
-            for j, token_slots in enumerate(row_slots):
-                out_row = builder.bitcast(row_ptr(context, builder, ty[6], out, builder.add(tok, ir.Constant(I64, j))),
-                                          F32.as_pointer())
-                builder.store(_ggml_reduce_pairs(builder, *(builder.load(slot) for slot in token_slots)),
-                              builder.gep(out_row, [r]))
+        dots = [(r, j, token_slots) for r, row_slots in zip(rows, slots) for j, token_slots in enumerate(row_slots)]
+        sums = []
+        for g in range(0, len(dots) - len(dots) % 4, 4):  # four dots' reductions at once, then any left alone
+            four = _ggml_reduce_pairs_4(builder, [[builder.load(slot) for slot in d[2]] for d in dots[g:g + 4]])
+            sums += [builder.extract_element(four, ir.Constant(I32, i)) for i in range(4)]
+        sums += [_ggml_reduce_pairs(builder, *(builder.load(slot) for slot in d[2])) for d in dots[len(sums):]]
+        for (r, j, _), total in zip(dots, sums):
+            out_row = builder.bitcast(row_ptr(context, builder, ty[6], out, builder.add(tok, ir.Constant(I64, j))),
+                                      F32.as_pointer())
+            builder.store(total, builder.gep(out_row, [r]))
         return context.get_dummy_value()
 
     return codegen
