@@ -164,6 +164,13 @@ def _q8_inputs():
     ties[:, 32:] = 0.0  # an all-zero block
     yield "ties and zeros", ties
     yield "one value", np.array([[0.0] * 31 + [-5.0]], np.float32)
+    # the maximum |x| taken from the magnitudes' bits: negative extremes, -0.0, subnormals beside normals
+    signs = np.full((2, 64), -0.0, np.float32)
+    signs[0, :32] = -np.geomspace(1e-3, 7.0, 32, dtype=np.float32)
+    signs[1, :32] = np.float32(1e-41) * np.arange(32, dtype=np.float32)
+    signs[1, 5] = np.float32(1e-30)
+    signs[:, 40] = np.float32(-6.0e4)  # (d and d * sum(q) still within f16)
+    yield "signs, subnormals, extremes", signs
 
 
 @pytest.mark.parametrize("name, x", list(_q8_inputs()), ids=lambda v: v if isinstance(v, str) else "")

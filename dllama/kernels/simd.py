@@ -65,6 +65,11 @@ def _intrinsic_fn(builder, name: str, ret: ir.Type, args: list[ir.Type]):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
+def call_llvm(builder, name: str, ret: ir.Type, *values):
+    """A call of LLVM's own intrinsic `name` (llvm.rint.v32f32, llvm.vector.reduce.add.v32i32 ...)."""
+    return builder.call(_intrinsic_fn(builder, name, ret, [v.type for v in values]), list(values))
+
+
 def fmuladd(builder, a, b, c):
     """a*b + c, fused where the CPU has FMA (as GGML's AVX2 path), separately where it has not."""
     elem = a.type.element if isinstance(a.type, ir.VectorType) else a.type
