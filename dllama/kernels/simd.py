@@ -234,6 +234,9 @@ X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
 # as two 256-bit ones (two runs: four where the 256-bit path takes three), so AMD keeps that path
 _CPU_NAME = numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm_binding.get_host_cpu_name()
 X86_WIDE_RUNS = X86_VNNI and "+avx512bw" in _HOST_FEATURES and not _CPU_NAME.startswith("znver")
+# GFNI (Ice Lake and later, Zen 4): gf2p8affineqb applies an 8 x 8 bit matrix to every byte, a matrix
+# per 64-bit lane: wide_nibbles splits 32 bytes into both nibbles' 64 in one instruction
+X86_GFNI = X86_WIDE_RUNS and "+gfni" in _HOST_FEATURES
 # Without VNNI an x86 quad dot is maddubs + madd, unsigned x signed: signed weights cost two psigns more
 X86_MADDUBS = _X86_AVX2 and not X86_VNNI
 # AVX-512 gives 32 vector registers (16 with AVX2): room for a prefill tile of 16 accumulators
@@ -283,6 +286,22 @@ def bits_to_bytes(builder, words, bit_of_lane, if_set: int, if_clear: int = 0):
         bits = const_vec(I8, [1 << (b % 8) if b % 8 < 7 else -128 for b in bit_of_lane])
         mask = builder.icmp_unsigned("!=", builder.and_(spread, bits), const_vec(I8, [0] * 32))
     return builder.select(mask, const_vec(I8, [if_set] * 32), const_vec(I8, [if_clear] * 32))
+
+
+# gf2p8affineqb's matrices (a 64-bit lane's bytes in memory order): byte 7 - i selects the bits whose
+# parity is bit i of the result. The low nibble kept, and the high nibble moved down.
+_LOW_NIBBLE_MATRIX = [0, 0, 0, 0, 8, 4, 2, 1]
+_HIGH_NIBBLE_MATRIX = [0, 0, 0, 0, 128, 64, 32, 16]
+
+
+def wide_nibbles(builder, packed):
+    """(X86_GFNI) <32 x i8> -> <64 x i8>: its low nibbles, then its high nibbles (each 0-15), in one
+    instruction on the 32 bytes loaded twice (a load-port broadcast), where and, shift and insert
+    are three on the ports the dots and conversions need."""
+    assert X86_GFNI
+    matrix = const_vec(I8, _LOW_NIBBLE_MATRIX * 4 + _HIGH_NIBBLE_MATRIX * 4)
+    affine = _intrinsic_fn(builder, "llvm.x86.vgf2p8affineqb.512", vec(I8, 64), [vec(I8, 64), vec(I8, 64), I8])
+    return builder.call(affine, [concat(builder, packed, packed), matrix, ir.Constant(I8, 0)])
 
 
 def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):

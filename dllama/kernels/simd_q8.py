@@ -13,9 +13,10 @@ from llvmlite import ir
 
 from ..quant import FORMATS, QType
 from .activations import PAIRED_BLOCK_BYTES
-from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_MADDUBS, X86_VNNI,
-                   X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd, halves,
-                   hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec)
+from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_GFNI, X86_MADDUBS,
+                   X86_VNNI, X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec, fmuladd,
+                   halves, hsum_float_8, iq4_nl_values, load_at, opaque, packed_intrinsics, quad_dot, splat, vec,
+                   wide_nibbles)
 
 _WITH_MIN = ("q4_1", "q5_1")  # v = q * d + m: the activations' block sums meet m
 # The formats llama.cpp repacks on x86 (Q4_0, IQ4_NL: 8 rows interleaved, ggml-cpu/arch/x86/repack.cpp),
@@ -212,6 +213,8 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
 
 # The nibble formats whose two rows' quants, packed side by side, are one 32-byte load (_emit_pair_dots)
 _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# the formats whose 512-bit tiles split their nibbles with one GFNI instruction (simd.wide_nibbles)
+_GFNI_NIBBLES = ("q4_1",)
 # GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves
 _X_HALVES = (list(range(16)) * 2, list(range(16, 32)) * 2)
 
@@ -258,11 +261,15 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
         d_w = builder.fpext(load_at(builder, fields["d"], block, F16, n_rows), vec(F32, n_rows))
         m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
             if fmt in _WITH_MIN else None
-        nibbles = []
+        nibbles = []  # a pair's quants: (low nibbles' 32 bytes, high's), or with halves_512 both side by side
         for p in range(n_pairs):
             packed = load_at(builder, fields["qs"], builder.add(block, ir.Constant(I64, 32 * p)), I8, 32)
-            low = builder.and_(packed, const_vec(I8, [15] * 32))
-            high = builder.lshr(packed, const_vec(I8, [4] * 32))
+            split_at_once = halves_512 and X86_GFNI and fmt in _GFNI_NIBBLES
+            if split_at_once:
+                low_high = halves(builder, wide_nibbles(builder, packed))
+            else:
+                low_high = builder.and_(packed, const_vec(I8, [15] * 32)), builder.lshr(packed, const_vec(I8, [4] * 32))
+            low, high = low_high
             if fmt == "iq4_nl":
                 low, high = (halves_of(v, partial(iq4_nl_values, builder, biased=biased)) for v in (low, high))
             if fmt in ("q5_0", "q5_1"):  # the fifth bits: each half's 16 of the two rows' uint32s
@@ -273,7 +280,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                              for h, v in enumerate((low, high)))
             if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
-            nibbles.append((low, high))
+            nibbles.append(concat(builder, low, high) if halves_512 else (low, high))
         block_dots, d_tokens = {}, []
         for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
             starts = (None, None)
@@ -307,8 +314,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 for p, pair in enumerate(nibbles):
                     scale = builder.shuffle_vector(scales, scales, const_vec(I32, ([2 * p] * 4 + [2 * p + 1] * 4) * 2))
                     scale = builder.fpext(scale, vec(F64, 2 * LANES)) if acc_t is F64 else scale
-                    quads = quad_dot(builder, concat(builder, *pair), x_both, w_unsigned=biased or fmt in _WITH_MIN,
-                                     acc=start)
+                    quads = quad_dot(builder, pair, x_both, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
                     slot = acc_slots[p, j, 0]
                     builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(acc_t, 2 * LANES)),
                                           builder.load(slot)), slot)
