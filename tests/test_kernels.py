@@ -15,8 +15,8 @@ from numba import njit
 
 from dllama.config import RopeScaling
 from dllama.kernels import ops
-from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, Activations, Q8Activations, Q8KActivations, pair_q8_ref,
-                                        round_f16)
+from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, STARTS_BLOCK_BYTES, Activations, Q8Activations,
+                                        Q8KActivations, pair_q8_ref, q8_starts_ref, round_f16)
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_in_lanes_ref, matmul_ref
 from dllama.kernels.packing import PACKABLE
@@ -215,6 +215,26 @@ def test_q8_paired_layout_equals_reference_exactly():
         np.testing.assert_array_equal(sums[2, 3, :4], -bias * a.q[2, 96:112].reshape(4, 4).astype(np.int32).sum(-1))
     with pytest.raises(ValueError, match="bias"):
         a.paired(128)
+
+
+@pytest.mark.parametrize("rows", [17, 300])  # a few rows, and past SERIAL_VALUES (the threads' loop)
+def test_q8_starts_layout_equals_reference_exactly(rows):
+    """The starts layout (Q8_0's 512-bit tiles): per block the values, then -128 times each four
+    values' sum as int32, the extremes included; kept when rows are taken."""
+    a = Q8Activations.quantize(np.random.default_rng(rows).standard_normal((rows, 64), dtype=np.float32))
+    a.q[0, :32] = 127
+    a.q[1, :32] = -127
+    ours = a.with_starts()
+    np.testing.assert_array_equal(ours, q8_starts_ref(a.q))
+    blocks = ours.reshape(rows, -1, STARTS_BLOCK_BYTES)
+    np.testing.assert_array_equal(blocks[..., :32], a.q.reshape(rows, -1, 32))
+    starts = blocks[..., 32:].copy().view(np.int32)
+    assert starts[0, 0, 0] == -128 * 4 * 127 and starts[1, 0, 7] == 128 * 4 * 127
+    np.testing.assert_array_equal(starts[2, 1, :], -128 * a.q[2, 32:].reshape(8, 4).astype(np.int32).sum(-1))
+    acts, index = Activations.from_q8(a), np.array([3, 0, 1])
+    np.testing.assert_array_equal(acts.take(index).q8_starts(), ours[index])  # made from the rows taken
+    np.testing.assert_array_equal(acts.q8_starts(), ours)
+    np.testing.assert_array_equal(acts.take(index).q8_starts(), ours[index])  # taken with them
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
@@ -944,7 +964,7 @@ def test_strips_and_tiles_prefetch_what_they_read_next():
     from dllama.kernels.packing import PackedRows, rows_per_group
     from dllama.kernels.simd import _AARCH64, _X86_AVX2
     from dllama.kernels.simd_float import F16_STRIP_ROWS, strip_f16_f32
-    from dllama.kernels.simd_q8 import PACKED_TILE
+    from dllama.kernels.simd_q8 import PACKED_TILE, STARTS_TILES
 
     if not (_X86_AVX2 or _AARCH64):
         pytest.skip("neither x86 with AVX2 nor AArch64")
@@ -971,7 +991,8 @@ def test_strips_and_tiles_prefetch_what_they_read_next():
     out8 = np.zeros((tokens, rows_per_group(QType.Q8_0)), np.float32)
     strip(PackedRows.pack(w, QType.Q4_0).groups, a.q, a.d, a.ds, out)
     strip_f16(w16.view(np.uint16), x16, out16)
-    tile(PackedRows.pack(w8, QType.Q8_0).groups, a.q, a.d, a.ds, out8)
+    tile_values = a.with_starts() if "q8_0" in STARTS_TILES else a.q  # the layout the tile reads
+    tile(PackedRows.pack(w8, QType.Q8_0).groups, tile_values, a.d, a.ds, out8)
     n = rows_per_group(QType.Q4_0)
     np.testing.assert_array_equal(out[0, :n], matmul(w, QType.Q4_0, x[:1])[0, :n])
     np.testing.assert_array_equal(out16[0], matmul(w16.view(np.uint16), QType.F16, x[:1])[0])

@@ -147,6 +147,44 @@ def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
     return np.concatenate([halves, lanes.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
 
 
+# The starts layout of Q8 values (what Q8_0's 512-bit tiles read, simd_q8.py), per 32-value block: the
+# values, then 8 int32: -STARTS_BIAS times the sum of values 4k .. 4k+3, where the quad dot of weights
+# biased to unsigned bytes starts in lane k (one load a token, where working it out took three
+# instructions on the ports the dots need)
+STARTS_BLOCK_BYTES = 64
+STARTS_BIAS = 128
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _q8_starts_row(q, q64, out64, starts, t):
+    for b in range(q.shape[1] // 32):
+        for j in range(4):  # the values, 8 bytes at a time
+            out64[t, (STARTS_BLOCK_BYTES // 8) * b + j] = q64[t, 4 * b + j]
+        for k in range(8):
+            at = 32 * b + 4 * k
+            s = np.int32(q[t, at]) + q[t, at + 1] + q[t, at + 2] + q[t, at + 3]
+            starts[t, (STARTS_BLOCK_BYTES // 4) * b + 8 + k] = -STARTS_BIAS * s
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _q8_starts(q, out):
+    """out (T, blocks * STARTS_BLOCK_BYTES) int8: q's starts layout."""
+    q64, out64, starts = q.view(np.uint64), out.view(np.uint64), out.view(np.int32)
+    if q.size <= SERIAL_VALUES:  # as _quantize_q8
+        for t in range(q.shape[0]):
+            _q8_starts_row(q, q64, out64, starts, t)
+    else:
+        for t in prange(q.shape[0]):
+            _q8_starts_row(q, q64, out64, starts, t)
+
+
+def q8_starts_ref(q: np.ndarray) -> np.ndarray:
+    """numpy reference of Q8Activations.with_starts."""
+    blocks = q.reshape(q.shape[0], -1, 32)
+    starts = (-STARTS_BIAS * blocks.reshape(*blocks.shape[:2], 8, 4).astype(np.int32).sum(axis=-1)).astype("<i4")
+    return np.concatenate([blocks, starts.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
+
+
 def _float_rows(x: np.ndarray) -> np.ndarray:
     """x as the Q8 quantizers read it: float32, rows contiguous (usually as it comes: no copy)."""
     return x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, np.float32)
@@ -216,6 +254,13 @@ class Q8Activations(_QuantizedRows):
         T, cols = self.q.shape
         out = _paired_out(T, cols, bias)
         _pair_q8(self.q, bias, out)
+        return out
+
+    def with_starts(self) -> np.ndarray:
+        """q in the starts layout (STARTS_BLOCK_BYTES per block)."""
+        T, cols = self.q.shape
+        out = np.empty((T, cols // QK * STARTS_BLOCK_BYTES), np.int8)
+        _q8_starts(self.q, out)
         return out
 
     @classmethod
@@ -303,12 +348,12 @@ class Activations:
     """Activations x (T, cols) float32, with the forms the kernels read computed once on first
     use, so the matmuls that share an input (Q, K, V; gate and up) quantize it once."""
 
-    __slots__ = ("x", "_q8", "_q8k", "_f16", "_f16_values", "_paired")
+    __slots__ = ("x", "_q8", "_q8k", "_f16", "_f16_values", "_paired", "_starts")
 
     def __init__(self, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.x = x[None, :] if x.ndim == 1 else x
-        self._q8 = self._q8k = self._f16 = self._f16_values = None
+        self._q8 = self._q8k = self._f16 = self._f16_values = self._starts = None
         self._paired = {}
 
     @classmethod
@@ -317,6 +362,7 @@ class Activations:
         feed Q4_0/Q4_1/Q8_0 matmuls, which read nothing else."""
         self = cls.__new__(cls)
         self.x, self._q8, self._q8k, self._f16, self._f16_values, self._paired = None, q8, None, None, None, {}
+        self._starts = None
         return self
 
     def take(self, index: np.ndarray) -> "Activations":
@@ -329,6 +375,7 @@ class Activations:
         out._f16 = None if self._f16 is None else self._f16[index]
         out._f16_values = None if self._f16_values is None else self._f16_values[index]
         out._paired = {bias: paired[index] for bias, paired in self._paired.items()}
+        out._starts = None if self._starts is None else self._starts[index]
         return out
 
     @property
@@ -350,6 +397,12 @@ class Activations:
             else:
                 self._paired[bias] = self._q8.paired(bias)
         return self._paired[bias]
+
+    def q8_starts(self) -> np.ndarray:
+        """q8's values in the starts layout (the tiles of Q8_0 rows on Intel's AVX-512), computed once."""
+        if self._starts is None:
+            self._starts = self.q8.with_starts()
+        return self._starts
 
     @property
     def q8k(self) -> Q8KActivations:

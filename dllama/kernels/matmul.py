@@ -25,11 +25,11 @@ from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
 from .simd import CARRIED_PER_ROW
-from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, TAILED, TILE_ROWS,
-                      TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide, dot_q4_1_q8,
-                      dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide, dot_q8_0_q8,
-                      dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8, tile_q5_1_q8,
-                      tile_q8_0_q8)
+from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, STARTS_TILES,
+                      TAILED, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
+                      dot_q4_1_q8, dot_q4_1_q8_wide, dot_q5_0_q8, dot_q5_0_q8_wide, dot_q5_1_q8, dot_q5_1_q8_wide,
+                      dot_q8_0_q8, dot_q8_0_q8_wide, tile_iq4_nl_q8, tile_q4_0_q8, tile_q4_1_q8, tile_q5_0_q8,
+                      tile_q5_1_q8, tile_q8_0_q8)
 from .simd_q8k import (K_PACKED_TILE, K_TAIL_TILE, PACKED_K, PACKED_K_TAIL, dot_q4_k_q8k, dot_q4_k_q8k_wide,
                        dot_q5_k_q8k, dot_q5_k_q8k_wide, dot_q6_k_q8k, dot_q6_k_q8k_wide, tile_q4_k_q8k, tile_q5_k_q8k,
                        tile_q6_k_q8k)
@@ -196,7 +196,7 @@ def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tai
     PACKED_TILE), then tail tiles of tail_rows x tail_tokens (its tail: a narrower tile, or the
     same, which takes no tokens), then one strip (the group's rows x 1 token) per token left; the
     padded last group through a scratch row. The tiles read the activations' values from xt (xq,
-    or the paired layout for the formats whose tiles read that: simd_q8.PAIRED_TILES)."""
+    or the layout the format's tiles read: simd_q8.PAIRED_TILES, STARTS_TILES)."""
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
@@ -618,16 +618,19 @@ _QUANT_KERNEL = {QType.Q4_0: _Q4_0, QType.Q4_1: _Q4_1, QType.Q8_0: _Q8_0, QType.
 
 
 @functools.cache
-def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int, int, int], int, bool, int | None]:
+def _packed_kernel(qtype: QType) -> tuple[int, tuple[int, int, int, int], int, bool, int | str | None]:
     """For packed rows of qtype: (the kernels' format number, their tile shape and tail tile shape
-    (rows, tokens, tail rows, tail tokens), rows per group, a K-quant?, the bias of the paired layout
-    its tiles read, or None if they read plain Q8 values),
+    (rows, tokens, tail rows, tail tokens), rows per group, a K-quant?, the layout of Q8 values its
+    tiles read: the bias of the paired layout, STARTS (the starts layout) or None (plain Q8 values)),
     worked out once: the enum and dict lookups cost ~5 us a call, and a decode step of SmolLM2 makes
     ~150 matmuls of 10-100 us."""
     fmt, k_quant = QType(qtype).name.lower(), qtype in _K_KERNEL
     tiles = (K_PACKED_TILE if k_quant else PACKED_TILE)[fmt] + (K_TAIL_TILE if k_quant else PACKED_TAIL_TILE)[fmt]
-    return ((_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], tiles, rows_per_group(qtype), k_quant,
-            PAIR_BIAS.get(fmt, 0) if fmt in PAIRED_TILES else None)
+    layout = PAIR_BIAS.get(fmt, 0) if fmt in PAIRED_TILES else STARTS if fmt in STARTS_TILES else None
+    return (_K_KERNEL if k_quant else _QUANT_KERNEL)[qtype], tiles, rows_per_group(qtype), k_quant, layout
+
+
+STARTS = "starts"  # (_packed_kernel) the tiles read Activations.q8_starts
 
 
 def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None = None,
@@ -649,11 +652,11 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     elif out.dtype != (np.float64 if wide else np.float32):  # the kernels write the accumulators' type
         raise ValueError(f"matmul's out must be {'float64' if wide else 'float32'}, not {out.dtype}")
     if isinstance(w, PackedRows):
-        kernel, tile, n, k_quant, pair_bias = _packed_kernel(w.qtype)
-        # the values the tiles read: the paired layout, made only when there are tiles (before the
-        # Q8 form, so that both are made in one pass)
-        paired = not wide and pair_bias is not None and x.tokens >= tile[3]  # (tail tiles: at most the tiles')
-        xt = x.q8_paired(pair_bias) if paired else None
+        kernel, tile, n, k_quant, layout = _packed_kernel(w.qtype)
+        # the values the tiles read: their layout, made only when there are tiles (the paired one
+        # before the Q8 form, so that both are made in one pass)
+        laid_out = not wide and layout is not None and x.tokens >= tile[3]  # (tail tiles: at most the tiles')
+        xt = (x.q8_starts() if layout == STARTS else x.q8_paired(layout)) if laid_out else None
         a = x.q8k if k_quant else x.q8
         acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)
         spanned = w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS  # long rows, span by span

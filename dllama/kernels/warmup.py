@@ -22,7 +22,7 @@ from .packing import PACKABLE, PackedRows
 from .simd_q8 import TILE_TOKENS
 
 # a prompt's tokens: enough for the prefill tiles, whose activations some formats read in a layout
-# of their own (Activations.q8_paired, a kernel of its own), as well as for one token
+# of their own (Activations.q8_paired and q8_starts, kernels of their own), as well as for one token
 TOKENS = (1, TILE_TOKENS + 1)
 
 
