@@ -234,8 +234,8 @@ X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
 # as two 256-bit ones (two runs: four where the 256-bit path takes three), so AMD keeps that path
 _CPU_NAME = numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm_binding.get_host_cpu_name()
 X86_WIDE_RUNS = X86_VNNI and "+avx512bw" in _HOST_FEATURES and not _CPU_NAME.startswith("znver")
-# GFNI (Ice Lake and later, Zen 4): gf2p8affineqb applies an 8 x 8 bit matrix to every byte, a matrix
-# per 64-bit lane: wide_nibbles splits 32 bytes into both nibbles' 64 in one instruction
+# GFNI (Intel since Ice Lake, beside the wide runs): gf2p8affineqb applies an 8 x 8 bit matrix to every
+# byte, a matrix per 64-bit lane: wide_nibbles splits 32 bytes into both nibbles' 64 in one instruction
 X86_GFNI = X86_WIDE_RUNS and "+gfni" in _HOST_FEATURES
 # Without VNNI an x86 quad dot is maddubs + madd, unsigned x signed: signed weights cost two psigns more
 X86_MADDUBS = _X86_AVX2 and not X86_VNNI
