@@ -245,14 +245,18 @@ class ShardModel:
         self.window_of_layer = [config.sliding_window if config.is_local(i) else 0 for i in range(config.n_layers)]
 
     async def forward(self, x: np.ndarray, spans: list[Span], comm: Collectives = ALONE,
-                      copies: list[tuple[int, int, int]] = ()) -> np.ndarray:
+                      copies: list[tuple[int, int, int]] = (), out_rows: np.ndarray | None = None) -> np.ndarray:
         """Run tokens through every layer, filling the KV caches: x (T, dim) holds the embeddings of
         every span's tokens, one span after another (each span a sequence, its cache in its slot).
         copies (src, dst, n): in each layer, once the tokens' keys and values are in, slot dst takes
         slot src's first n positions (a prompt start that src has, or computes in this pass).
-        Returns the final residual stream (T, dim), the same on every node. Every kernel sums a
-        token's values in one order whatever T is, so a token's result does not depend on how the
-        tokens were split into forward passes, nor on the other sequences that share one."""
+        Returns the final residual stream (T, dim), the same on every node; with out_rows (indices
+        into T, the same on every node) only those rows, in that order: the last layer, once its keys
+        and values are in, runs its attention's output projection and feed-forward for them alone
+        (as llama.cpp does for the tokens whose logits nobody asks: a prompt's all but its last).
+        Every kernel sums a token's values in one order whatever T is, so a token's result does not
+        depend on how the tokens were split into forward passes, nor on the other sequences that
+        share one."""
         cfg, hd = self.config, self.config.head_dim
         T = x.shape[0]
         if sum(s.n for s in spans) != T:
@@ -306,6 +310,8 @@ class ShardModel:
                 att = attend(q, k, v, caches, i, self.kv_of_head, scale, window).reshape(T, nq * hd)
             else:
                 att = np.zeros((T, 0), np.float32)
+            if out_rows is not None and i == cfg.n_layers - 1:  # past the last keys and values: the rows asked
+                x, att = x[out_rows], att[out_rows]
             out = await project(w.wo, att, "att", comm)  # sync point 1: Wo @ att, all heads
             if w.bo is not None:
                 out += w.bo

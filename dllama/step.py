@@ -199,15 +199,19 @@ class NodeStep:
             kv.resize(c.dst, c.capacity)
         for s in step.seqs:
             kv.resize(s.slot, s.capacity)
-        h = await self.model.forward(x, [s.span for s in step.seqs], self, [(c.src, c.dst, c.n) for c in step.copies])
         rows, at = [], 0
         for s in step.seqs:  # the rows whose logits the step asks for, and how to summarize each
             at += s.n
             picked = range(at - s.n, at) if s.logits == "all" else [at - 1] if s.logits == "last" else []
             rows += [(i, s, None if s.targets is None else s.targets[j]) for j, i in enumerate(picked)]
+        # the last layer's feed-forward for those rows alone (for one row when none is asked: a prompt's
+        # chunk, whose last layer still fills its keys and values)
+        out_rows = np.array([i for i, _s, _t in rows] or [at - 1], np.int64) if at else None
+        h = await self.model.forward(x, [s.span for s in step.seqs], self, [(c.src, c.dst, c.n) for c in step.copies],
+                                     out_rows)
         if not rows:
             return []
         vocab_start = self.model.shard.vocab[0]
-        logits = self.model.logits(h[[i for i, _s, _t in rows]])
+        logits = self.model.logits(h)
         return [summarize(row, vocab_start, s.params.params(), s.recent, target)
                 for row, (_i, s, target) in zip(logits, rows)]

@@ -85,3 +85,29 @@ async def test_synthetic_logits_do_not_depend_on_chunking(synthetic_model, name)
     model = GGUFModel(synthetic_model(name))
     tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, 80).tolist()
     _assert_all_equal({chunk: await our_logits(model, tokens, chunk=chunk) for chunk in (1, 7, 64, 80)})
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "qwen3moe-tiny", "gemma3-softcap"])
+async def test_last_layer_for_the_rows_asked_gives_their_bits(synthetic_model, name):
+    """forward(out_rows=...) runs the last layer's output projection and feed-forward for those rows
+    alone (a prompt's last token: the rows whose logits are asked): it returns them, the bits of the
+    same rows of the whole pass, and leaves the same keys and values for the tokens after."""
+    from dllama.kv_cache import round_capacity
+    from dllama.model import Span
+    from dllama.projection import ALONE
+
+    from .engine_helpers import shard_model
+
+    model = GGUFModel(synthetic_model(name))
+    embedding = model.matrix("token_embd.weight")
+    tokens = np.random.default_rng(3).integers(0, model.config.vocab_size, 12)
+    whole, asked = shard_model(model, 32), shard_model(model, 32)
+    for m in (whole, asked):
+        m.kv.resize(0, round_capacity(32))
+    full = await whole.forward(embedding.row_values(tokens), [Span(0, 0, 12)], ALONE)
+    rows = np.array([11, 4])
+    some = await asked.forward(embedding.row_values(tokens), [Span(0, 0, 12)], ALONE, out_rows=rows)
+    assert some.shape == (2, model.config.dim)
+    np.testing.assert_array_equal(some, full[rows])
+    after = [await m.forward(embedding.row_values(tokens[:1]), [Span(0, 12, 1)], ALONE) for m in (whole, asked)]
+    np.testing.assert_array_equal(after[0], after[1])
