@@ -15,7 +15,7 @@ from numba.extending import intrinsic
 
 from ..quant import QK
 from . import CACHE, SERIAL_VALUES
-from .simd import F16, F32, I8, I16, I32, I64, LANES, call_llvm, const_vec, load_at, row_ptr, splat, vec
+from .simd import F32, I8, I16, I32, I64, LANES, call_llvm, const_vec, load_at, round_to_f16, row_ptr, splat, vec
 
 
 def round_f16(a: np.ndarray) -> np.ndarray:
@@ -41,10 +41,11 @@ def _emit_q8_block(builder, x_row, q_row, d_row, ds_row, b, paired_row=None, bia
     d = builder.fdiv(amax, ir.Constant(F32, 127.0))
     total = builder.sitofp(call_llvm(builder, "llvm.vector.reduce.add.v32i32", I32, q), F32)
     for value, row in ((d, d_row), (builder.fmul(d, total), ds_row)):
-        builder.store(builder.fpext(builder.fptrunc(value, F16), F32), builder.gep(row, [b]))  # (d*s in f32 first)
+        builder.store(round_to_f16(builder, value), builder.gep(row, [b]))  # (d*s in f32 first)
     if paired_row is not None:
         at = builder.gep(paired_row, [builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))])
-        halves = builder.shuffle_vector(q8, q8, const_vec(I32, [*range(16), *range(16), *range(16, 32), *range(16, 32)]))
+        order = [*range(16), *range(16), *range(16, 32), *range(16, 32)]  # each half twice
+        halves = builder.shuffle_vector(q8, q8, const_vec(I32, order))
         builder.store(halves, builder.bitcast(at, vec(I8, 2 * QK).as_pointer()), align=1)
         fours = [builder.shuffle_vector(q, q, const_vec(I32, range(i, QK, 4))) for i in range(4)]  # exact integers
         sums = builder.mul(builder.add(builder.add(fours[0], fours[1]), builder.add(fours[2], fours[3])),
@@ -62,7 +63,8 @@ def _q8_row_codegen(paired: bool):
         t = context.cast(builder, args[1], ty[1], types.intp)
         x_row = row_ptr(context, builder, ty[0], args[0], t)
         q_row = row_ptr(context, builder, ty[2], args[2], t)
-        d_row, ds_row = (builder.bitcast(row_ptr(context, builder, ty[i], args[i], t), F32.as_pointer()) for i in (3, 4))
+        d_row, ds_row = (builder.bitcast(row_ptr(context, builder, ty[i], args[i], t), F32.as_pointer())
+                         for i in (3, 4))
         paired_row = row_ptr(context, builder, ty[6], args[6], t) if paired else None
         bias = builder.trunc(context.cast(builder, args[5], ty[5], types.int64), I32) if paired else None
         blocks = builder.extract_value(context.make_array(ty[3])(context, builder, args[3]).shape, 1)

@@ -70,6 +70,11 @@ def call_llvm(builder, name: str, ret: ir.Type, *values):
     return builder.call(_intrinsic_fn(builder, name, ret, [v.type for v in values]), list(values))
 
 
+def round_to_f16(builder, x):
+    """float32 x rounded to the nearest f16 (ties to even), as a float32 again."""
+    return builder.fpext(builder.fptrunc(x, F16), F32)
+
+
 def fmuladd(builder, a, b, c):
     """a*b + c, fused where the CPU has FMA (as GGML's AVX2 path), separately where it has not."""
     elem = a.type.element if isinstance(a.type, ir.VectorType) else a.type
@@ -300,8 +305,8 @@ def wide_nibbles(builder, packed):
     are three on the ports the dots and conversions need."""
     assert X86_GFNI
     matrix = const_vec(I8, _LOW_NIBBLE_MATRIX * 4 + _HIGH_NIBBLE_MATRIX * 4)
-    affine = _intrinsic_fn(builder, "llvm.x86.vgf2p8affineqb.512", vec(I8, 64), [vec(I8, 64), vec(I8, 64), I8])
-    return builder.call(affine, [concat(builder, packed, packed), matrix, ir.Constant(I8, 0)])
+    return call_llvm(builder, "llvm.x86.vgf2p8affineqb.512", vec(I8, 64), concat(builder, packed, packed), matrix,
+                     ir.Constant(I8, 0))
 
 
 def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):

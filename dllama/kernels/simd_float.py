@@ -12,7 +12,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import (CACHE_LINE, F16, F32, I8, I16, I32, I64, LANES, X86_32_REGISTERS, const_vec, data_ptr, fmuladd,
-                   hsum_float_8, load_at, prefetch, row_ptr, vec)
+                   hsum_float_8, load_at, prefetch, round_to_f16, row_ptr, vec)
 
 
 def _ggml_vec_dot(elem: ir.Type):
@@ -274,7 +274,7 @@ f64_bits = _scalar_op("f64_bits", types.float64, types.int64, lambda b, x: b.bit
 f64_from_bits = _scalar_op("f64_from_bits", types.int64, types.float64, lambda b, x: b.bitcast(x, ir.DoubleType()))
 f16_bits = _scalar_op("f16_bits", types.float32, types.uint16, lambda b, x: b.bitcast(b.fptrunc(x, F16), I16))
 # x rounded to the nearest f16 (ties to even), as a float32: numpy's x.astype(float16).astype(float32)
-f16_round = _scalar_op("f16_round", types.float32, types.float32, lambda b, x: b.fpext(b.fptrunc(x, F16), F32))
+f16_round = _scalar_op("f16_round", types.float32, types.float32, round_to_f16)
 
 
 @intrinsic
