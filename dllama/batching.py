@@ -20,12 +20,16 @@ The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache
   streams by one short chunk per step instead of freezing them, and requests that arrive while
   few others decode get their first token soon; with nothing decoding, up to a step's limit (256).
 - Prefill first: once a request's prompt is to begin, the next step carries prompt tokens alone,
-  without the decoding sequences. Its first token then waits for the step in flight and its own
-  prompt, not also for the others' next tokens: on a CPU a step costs about its tokens' compute,
-  so those would add ~D tokens' worth. Prompts that arrive during such a step get the next one
-  too, whole, as long as the prompt tokens run since the decoders' last step stay within the same
-  max(`prefill_chunk`, 256 / D) a mixed step may carry: the decoding streams wait no longer than
-  beside a chunk, and pay one step's fixed cost per arrival. (A longer one goes beside them.)
+  without the decoding sequences. Its first token then waits for its own prompt, not also for the
+  others' next tokens: on a CPU a step costs about its tokens' compute, so those would add ~D
+  tokens' worth. Where the engine preempts (one node), "the next step" is now: a step of the
+  decoders in flight pauses at its next sync point while the prompt's step runs (`_preempt`), so
+  the first token does not wait for most of a step either, and the decoders' next token comes a
+  prompt step later, as it would after it. Elsewhere (a cluster) it waits for the step in flight.
+  Prompts that arrive during such a step get the next one too, whole, as long as the prompt tokens
+  run since the decoders' last step began (a preempted step's own chunk among them) stay within the
+  same max(`prefill_chunk`, 256 / D) a mixed step may carry: the decoding streams wait no longer
+  than beside a chunk, and pay one step's fixed cost per arrival. (A longer one goes beside them.)
   Measured against merging them (benchmarks/bench_serve.py, sustained load, SmolLM2, 2 threads,
   three runs, 8 users): time to first token p50 18-30% lower, p95 5-20%; the aggregate -8% to +8%,
   within this machine's run-to-run noise. Before a second such step was allowed, the slowest
@@ -82,6 +86,9 @@ class Batcher:
         self.step_tokens = 0
         self.last_batch = 0  # sequences in the last step
         self._alone_tokens = 0  # prompt tokens of the steps without the decoders since they last ran
+        self._in_flight: set[Stream] | None = None  # the streams of a step that prompts may preempt
+        self._in_flight_prompt = 0  # ... and the prompt tokens it carries beside the decoders
+        self._preempting: asyncio.Task | None = None  # what runs such prompts while it is in flight
 
     @property
     def queued(self) -> int:
@@ -96,6 +103,8 @@ class Batcher:
         self.waiting.append(stream)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
+        else:
+            self._preempt_if_due()
         try:
             return await asyncio.shield(stream.done)
         except asyncio.CancelledError:
@@ -110,6 +119,8 @@ class Batcher:
         except BaseException as e:  # a bug of ours (or the loop closing): no request may wait for ever
             if not isinstance(e, asyncio.CancelledError):
                 log.exception("the batching loop failed")
+            if self._preempting is not None:
+                self._preempting.cancel()
             for s in self.active + list(self.waiting):
                 s.finish(self.engine.stats, "error", _internal_error(e))
             self.active.clear()
@@ -129,46 +140,80 @@ class Batcher:
             if not seqs:  # (every one waits for another's prompt start: cannot last, that one runs)
                 await asyncio.sleep(0)
                 continue
-            engine = self.engine
+            # a step of the decoders may be preempted by prompts that arrive meanwhile (one node)
+            if self.engine.preempts and any(s.decoding for s in streams):
+                self._in_flight = set(streams)
+                self._in_flight_prompt = sum(n for s, n in zip(streams, fed) if not s.decoding)
             try:
-                results = await engine.step(seqs)
-            except Exception as e:  # the step failed for all of them: each keeps what it produced
-                if not isinstance(e, DllamaError):
-                    log.exception("a batched step failed")
-                sources = engine.copy_sources
-                for s in streams:
-                    s.finish(engine.stats, "error", _error_text(e))
-                    self._leave(s)
-                    if s.slot not in sources:  # (a pending copy still reads it)
-                        engine.release(s.slot)  # its cache's state is unknown after a failure
-                continue
-            self.steps += 1
-            self.step_sequences += len(seqs)
-            self.step_tokens += sum(len(q.tokens) for q in seqs)
-            self.last_batch = len(seqs)
-            for s, q, n, summaries in zip(streams, seqs, fed, results):
-                del s.pending[:n]
-                self.last_used[s.slot] = time.monotonic()
-                try:
-                    done = q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
-                                                    engine.stats)
-                except Exception as e:  # its sampler or its caller's callback: that request alone fails
-                    log.exception("a request failed after a step")
-                    done = s.finish(engine.stats, "error", _internal_error(e))
-                if done:
-                    self._leave(s)
+                await self._run_step(streams, seqs, fed)
+            finally:
+                self._in_flight = None
+            if self._preempting is not None:  # (a preempting step still in flight: it finishes first)
+                await self._preempting
+                self._preempting = None
             # the loop's turn between steps, which need not suspend (an engine computing on this loop):
             # a Ctrl-C's cancellation, a caller gone, a new request are seen before the next one
             await asyncio.sleep(0)
+
+    def _preempt_if_due(self) -> None:
+        """A request arrived: while a step of the decoders is in flight, its prompt may go now."""
+        if self._in_flight is not None and (self._preempting is None or self._preempting.done()):
+            self._preempting = asyncio.ensure_future(self._preempt())
+
+    async def _preempt(self) -> None:
+        """Prompts that arrive during a step of the decoders run in steps of their own that
+        preempt it (the engine pauses it at its next sync point), as long as it is in flight and
+        the decoders' wait stays within the delay a step beside them may carry (see _plan). A bug
+        here reaches the loop, which awaits this before its next step."""
+        while self._in_flight is not None:
+            await self._admit()
+            streams, seqs, fed = self._plan(self._in_flight)
+            if not seqs:
+                break
+            await self._run_step(streams, seqs, fed, preempt=True)
+
+    async def _run_step(self, streams: list[Stream], seqs: list[SeqInput], fed: list[int],
+                        preempt: bool = False) -> None:
+        """One step of the engine, and what it gives each stream."""
+        engine = self.engine
+        try:
+            results = await engine.step(seqs, preempt=preempt)
+        except Exception as e:  # the step failed for all of them: each keeps what it produced
+            if not isinstance(e, DllamaError):
+                log.exception("a batched step failed")
+            sources = engine.copy_sources
+            for s in streams:
+                s.finish(engine.stats, "error", _error_text(e))
+                self._leave(s)
+                if s.slot not in sources:  # (a pending copy still reads it)
+                    engine.release(s.slot)  # its cache's state is unknown after a failure
+            return
+        self.steps += 1
+        self.step_sequences += len(seqs)
+        self.step_tokens += sum(len(q.tokens) for q in seqs)
+        self.last_batch = len(seqs)
+        for s, q, n, summaries in zip(streams, seqs, fed, results):
+            del s.pending[:n]
+            self.last_used[s.slot] = time.monotonic()
+            try:
+                done = q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
+                                                engine.stats)
+            except Exception as e:  # its sampler or its caller's callback: that request alone fails
+                log.exception("a request failed after a step")
+                done = s.finish(engine.stats, "error", _internal_error(e))
+            if done:
+                self._leave(s)
 
     def _leave(self, s: Stream) -> None:
         self.active.remove(s)
         self.engine.in_use.discard(s.slot)
         self.last_used[s.slot] = time.monotonic()
 
-    def _plan(self) -> tuple[list[Stream], list[SeqInput], list[int]]:
+    def _plan(self, in_flight: set[Stream] | None = None) -> tuple[list[Stream], list[SeqInput], list[int]]:
         """This step's sequences: every decoding one's next token, then prompt chunks; or, when a
-        prompt is about to begin (prefill first), prompt tokens alone, within the decoders' delay."""
+        prompt is about to begin (prefill first), prompt tokens alone, within the decoders' delay.
+        in_flight: the streams of a step of the decoders that this one would preempt: then prompts
+        about to begin alone, within what the decoders may still wait, or nothing."""
         contexts = self.engine.contexts
         decoding = [s for s in self.active if s.decoding]
         streams, seqs, fed = [], [], []
@@ -176,12 +221,17 @@ class Batcher:
         delay = max(self.prefill_chunk, PREFILL_DELAY_BUDGET // len(decoding)) if decoding else 0
         # prefill first: a prompt about to begin (nothing of it computed yet) goes without the decoders;
         # so do prompts that arrive meanwhile, whole, while the decoders' wait stays within that delay
-        starting = [s for s in self.active
-                    if not s.decoding and s.share_from is None and s.out.prefill_tokens == len(s.pending)]
-        left = delay - self._alone_tokens
+        busy = in_flight or set()
+        starting = [s for s in self.active if not s.decoding and s.share_from is None and not s.cancelled
+                    and s.out.prefill_tokens == len(s.pending) and s not in busy]
+        # prompt tokens the decoders wait for since their last step began (a preempted one's own too)
+        waited = self._alone_tokens + (self._in_flight_prompt if in_flight is not None else 0)
+        left = delay - waited
         shortest = min((len(s.pending) for s in starting), default=0)
-        alone = bool(starting) and left > 0 and (not self._alone_tokens or shortest <= left)
-        later = alone and self._alone_tokens > 0  # (only whole starting prompts: each gets its first token)
+        alone = bool(starting) and left > 0 and (not waited or shortest <= left)
+        later = alone and waited > 0  # (only whole starting prompts: each gets its first token)
+        if in_flight is not None and not alone:
+            return streams, seqs, fed
         if not alone:
             self._alone_tokens = 0
         for s in [] if alone else decoding:
@@ -189,11 +239,16 @@ class Batcher:
             seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
             fed.append(1)
         room = MAX_STEP_TOKENS - len(seqs)
-        prefill = min(room, delay - self._alone_tokens) if decoding else room  # (all of it, beside the decoders)
+        prefill = min(room, left if alone else delay) if decoding else room  # (all of it, beside the decoders)
         planned = {}  # the prompt tokens each stream computes in this step
         for s in self.active:
-            if s.decoding or prefill <= 0 or (later and (s not in starting or len(s.pending) > prefill)) or (
-                    s.share_from is not None and not self._take_shared_start(s, planned)):
+            if s.decoding or prefill <= 0 or s in busy:
+                continue
+            if (later or in_flight is not None) and s not in starting:  # only prompts about to begin,
+                continue
+            if later and len(s.pending) > prefill:  # ... and after a step without the decoders, whole
+                continue
+            if s.share_from is not None and not self._take_shared_start(s, planned):
                 continue
             n = min(len(s.pending), prefill)
             last = n == len(s.pending)

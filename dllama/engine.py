@@ -9,6 +9,12 @@ main loop is that thread. The root's engine runs its own (`ComputeThread`): the 
 API server, chat) hands it each step and its own loop stays responsive meanwhile. A model run alone
 under `inference` or `chat`, with nothing to answer during a step, computes on the caller's loop
 instead (`CallerCompute`): the hop to another thread and back cost 0.5-1 ms a decode step.
+
+A model run alone on its compute thread can be preempted (`Engine.preempts`): a step asked for
+with `preempt=True` (the batcher's: a prompt that arrives while others decode) runs at once, while
+the step in flight waits at its next sync point (`Preemption`), and that one then carries on.
+Steps touch separate KV cache slots, and each kernel sums a token's values in one order whatever
+else runs, so neither step's bits change.
 """
 
 from __future__ import annotations
@@ -78,12 +84,18 @@ class ComputeThread:
         finally:
             self.loop.close()
 
-    async def run(self, coroutine):
-        """Await `coroutine` on the compute loop; cancelling the wait cancels it there."""
+    async def run(self, coroutine, preemption: Preemption | None = None):
+        """Await `coroutine` on the compute loop; cancelling the wait cancels it there. With
+        `preemption`, it is counted in there until done: the step in flight waits for it."""
         if self.stopped:
             coroutine.close()
             raise RuntimeError("the engine is closed")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+        if preemption is not None:
+            preemption.enter()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        if preemption is not None:  # (once, however it ends: done, failed or cancelled before it ran)
+            future.add_done_callback(lambda _: preemption.leave())
+        return await asyncio.wrap_future(future)
 
     @property
     def stopped(self) -> bool:
@@ -93,6 +105,34 @@ class ComputeThread:
         if not self.stopped:
             self._stopping = True
             self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class Preemption:
+    """Steps that preempt the one in flight on a node alone. The front end counts such a step in
+    before handing it to the compute loop and out once it is done (or cancelled); the step in
+    flight, at each of its sync points, yields the compute loop while any is counted in. The
+    preempting step itself runs through a NodeStep without this, from start to end."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # (counted in on the front end's thread, out on either)
+        self._count = 0
+        self.paused_s = 0.0  # time steps in flight spent waiting here (not their compute)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+    async def wait(self) -> None:
+        """On the compute loop, at a sync point: let the preempting steps run first."""
+        if self._count:
+            t0 = time.perf_counter()
+            while self._count:  # (the preempting step may still be on its way to this loop)
+                await asyncio.sleep(0)
+            self.paused_s += time.perf_counter() - t0
 
 
 class CallerCompute:
@@ -141,6 +181,7 @@ class Engine:
     sync_choice: dict | None = None  # --sync-mode auto on a cluster: what it settled on, and the figures why
 
     failed: str | None = None  # why the engine cannot serve any more (a cluster that lost its nodes)
+    preempts: bool = False  # whether step(..., preempt=True) may run while another step is in flight
     batcher = None  # the batching.Batcher generating on it, once there is one
 
     def __init__(self, slots: int = 1, kv_budget: int | None = None, compute_here: bool = False):
@@ -156,6 +197,7 @@ class Engine:
         self.capacities = [0] * slots  # positions each slot's cache holds, on every node
         self._to_free: set[int] = set()  # slots whose caches the next step drops
         self._copies: list[Copy] = []  # prompt starts the next step copies from slot to slot
+        self._in_flight: list[Step] = []  # steps sent and not done (two: one preempted, one preempting)
         self.in_use: set[int] | None = None  # slots a batcher is generating in (None: all may be)
         self.stats = StepStats()
         self.compute = CallerCompute() if compute_here else ComputeThread()
@@ -244,9 +286,13 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    async def step(self, seqs: list[SeqInput]) -> list[list[list[LogitSummary]]]:
+    async def step(self, seqs: list[SeqInput], preempt: bool = False) -> list[list[list[LogitSummary]]]:
         """One forward pass over several sequences' tokens (each slot at most once, within its
-        capacity). Per sequence: for each position whose logits it asks, one summary per node."""
+        capacity). Per sequence: for each position whose logits it asks, one summary per node.
+        preempt (where `preempts`): run now, the step in flight waiting meanwhile; it must name
+        none of that step's slots. It carries the frees and copies asked since that one was sent."""
+        if preempt and not self.preempts:
+            raise ValueError(f"{type(self).__name__} runs one step at a time")
         wire, tokens = [], []
         for s in seqs:
             start = len(self.contexts[s.slot])
@@ -256,16 +302,26 @@ class Engine:
             wire.append(Seq.of(s.slot, start, len(s.tokens), self.capacities[s.slot], s.params, s.recent,
                                s.targets, s.want_logits))
             tokens += s.tokens
-        step = Step(wire, sorted(self._to_free), list(self._copies))
-        flat = await self.compute.run(self._forward(tokens, step))
+        sent_free = {slot for other in self._in_flight for slot in other.free}
+        sent_copies = [c for other in self._in_flight for c in other.copies]
+        step = Step(wire, sorted(self._to_free - sent_free),
+                    [c for c in self._copies if not any(c is d for d in sent_copies)])
+        self._in_flight.append(step)
+        try:
+            flat = await self._run(tokens, step, preempt)
+        finally:
+            self._in_flight.remove(step)
         self._to_free.difference_update(step.free)
-        del self._copies[:len(step.copies)]
+        self._copies = [c for c in self._copies if not any(c is d for d in step.copies)]
         out, at = [], 0
         for s, w in zip(seqs, wire):
             self.contexts[s.slot] += s.tokens
             out.append(flat[at:at + w.n_summaries])
             at += w.n_summaries
         return out
+
+    async def _run(self, tokens: list[int], step: Step, preempt: bool) -> list[list[LogitSummary]]:
+        return await self.compute.run(self._forward(tokens, step))
 
     async def feed(self, tokens: list[int], params: SamplingParams, recent: list[int] = (),
                    targets: list[int] | None = None, slot: int = 0) -> list[list[LogitSummary]]:
@@ -314,7 +370,8 @@ class Engine:
 
 
 class LocalEngine(Engine):
-    """The whole model in this process: one shard holding everything."""
+    """The whole model in this process: one shard holding everything. On its own compute thread
+    (not compute_here) its steps can be preempted (Engine.preempts)."""
 
     def __init__(self, model: GGUFModel, ctx_size: int, sync: SyncConfig = SyncConfig(), slots: int = 1,
                  kv_budget: int | None = None, compute_here: bool = False):
@@ -329,12 +386,23 @@ class LocalEngine(Engine):
         model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,
                            Reduce(wide=sync.dtype == "f64"), slots, self.kv_budget)
         self.model = model
-        self.node = NodeStep(model, None, None)  # a node without a group: its sync points are no-ops
+        self.preempts = not compute_here
+        self.preemption = Preemption()
+        # a node without a group: its sync points only wait for a preempting step, whose own never do
+        self.node = NodeStep(model, None, None, self.preemption)
+        self._preempting_node = NodeStep(model, None, None)
         self.ctx_size = model.ctx_size
 
-    async def _forward(self, tokens, step):
+    async def _run(self, tokens, step, preempt):
+        if not preempt:
+            return await super()._run(tokens, step, preempt)
+        return await self.compute.run(self._forward(tokens, step, self._preempting_node), self.preemption)
+
+    async def _forward(self, tokens, step, node: NodeStep | None = None):
         t0 = time.perf_counter()
+        paused0 = self.preemption.paused_s
         x = self.embedding.row_values(np.asarray(tokens))
-        summaries = await self.node.run(x, step)
-        self.stats.compute_s += time.perf_counter() - t0
+        summaries = await (node or self.node).run(x, step)
+        # (a preempted step's wall time holds the preempting one's, which counts its own)
+        self.stats.compute_s += time.perf_counter() - t0 - (self.preemption.paused_s - paused0)
         return [[s] for s in summaries]

@@ -168,18 +168,24 @@ class NodeStep:
     """Runs steps on one node's shard. Also the model's `Collectives`: its sync points go through
     the node's process group, or nowhere when it runs alone (group None)."""
 
-    def __init__(self, model: ShardModel, group, codec: str | None):
+    def __init__(self, model: ShardModel, group, codec: str | None, preemption=None):
+        """preemption (engine.Preemption, a node alone): its sync points wait for preempting steps."""
         self.model = model
         self.group = group
         self.codec = codec
+        self.preemption = preemption
 
     async def all_reduce(self, partial: np.ndarray) -> np.ndarray:
         if self.group is None:
+            if self.preemption is not None:
+                await self.preemption.wait()
             return partial
         return await self.group.all_reduce(partial, op="sum", codec=self.codec)
 
     async def all_gather(self, part: np.ndarray, counts: list[int]) -> np.ndarray:
         if self.group is None:
+            if self.preemption is not None:
+                await self.preemption.wait()
             return part.reshape(-1)
         return await self.group.all_gather(part, counts=counts)
 

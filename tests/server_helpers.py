@@ -48,9 +48,9 @@ class ServerThread:
         gate = self.run(_make_gate(self.loop))
         step = engine.step
 
-        async def held_step(seqs):
+        async def held_step(seqs, preempt=False):
             await gate.wait()
-            return await step(seqs)
+            return await step(seqs, preempt=preempt)
 
         engine.step = held_step
         try:

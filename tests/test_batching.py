@@ -47,13 +47,16 @@ class RecordedSteps(list):
         super().__init__()
         answered = set()
         self._started = asyncio.Event()
+        self.preempting = []  # indices of the steps asked to preempt the one in flight
         step = engine.step
 
-        async def recording(seqs):
+        async def recording(seqs, preempt=False):
+            if preempt:
+                self.preempting.append(len(self))
             self.append([(s.slot, len(s.tokens), s.slot in answered) for s in seqs])
             answered.update(s.slot for s in seqs if s.want_logits)
             self._started.set()
-            return await step(seqs)
+            return await step(seqs, preempt=preempt)
 
         engine.step = recording
 
@@ -194,6 +197,11 @@ async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, 
             for slot, _n, _decoding in steps[k]:
                 assert first_steps[slot] == k and any(x[0] == slot and x[2] for x in steps[run[-1] + 1]), (k, steps)
     assert max(map(len, waits)) >= 2, steps  # arrivals during a prompt's step went next, not beside the decoders
+    # on one node an arrival's step preempts the decoders' step in flight (the engine's own test
+    # checks that it runs inside it): only prompts about to begin, without the decoders
+    assert steps.preempting, steps
+    for k in steps.preempting:
+        assert not decodes(k) and all(first_steps[slot] == k for slot, _n, _decoding in steps[k]), (k, steps)
 
 
 async def test_a_later_prompt_step_takes_only_whole_prompts(gguf_model, tokenizer):
@@ -400,6 +408,57 @@ async def test_a_prompt_start_copied_in_the_step_that_computes_it(gguf_model, to
     alone.release(0)
     assert wire(got_b) == wire((await alone.feed(b, GREEDY, targets=b[1:] + [0]))[n:])
     assert engine.contexts == [a, b]
+
+
+async def test_a_preempting_step_runs_inside_the_step_in_flight(gguf_model, tokenizer):
+    """On one node a step asked with preempt=True runs while the step in flight waits at its next
+    sync point: it starts after that one and ends before it, carries only the frees and copies
+    asked since that one was sent, and both give the logits each gets alone (as does a sequence
+    whose start the preempted step copied). An engine on its caller's loop refuses to preempt."""
+    a, b = chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, QUESTIONS[1])
+    n = _common_prefix(a, b)
+    long_prompt = tokenizer.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 20))[:200]
+    engine = LocalEngine(gguf_model, 512, slots=4)
+    engine.reserve(0, len(a))
+    await engine.step([SeqInput(0, a, GREEDY)])
+    engine.reserve(3, 32)
+    await engine.step([SeqInput(3, [1, 2, 3], GREEDY)])
+    engine.release(3)  # the step in flight frees slot 3, copies a's start into slot 2, and reads slot 1's prompt
+    engine.reserve(2, len(b))
+    engine.share_prefix(0, 2, n)
+    engine.reserve(1, len(long_prompt))
+    events = []
+    forward = engine._forward
+
+    async def logged(tokens, step, node=None):
+        kind = "preempting" if node is not None else "in flight"
+        events.append(("start", kind, step.free, [(c.src, c.dst) for c in step.copies]))
+        try:
+            return await forward(tokens, step, node)
+        finally:
+            events.append(("end", kind))
+
+    engine._forward = logged
+    in_flight = asyncio.ensure_future(engine.step([SeqInput(1, long_prompt, GREEDY, targets=long_prompt[1:] + [0])]))
+    while not events:
+        await asyncio.sleep(0.001)
+    engine.reserve(3, len(b))  # slot 3 again (the step in flight has freed it), with a's start copied
+    engine.share_prefix(0, 3, n)
+    [preempting] = await engine.step([SeqInput(3, b[n:], GREEDY, targets=b[n + 1:] + [0])], preempt=True)
+    [preempted] = await in_flight
+    assert events == [("start", "in flight", [3], [(0, 2)]), ("start", "preempting", [], [(0, 3)]),
+                      ("end", "preempting"), ("end", "in flight")]
+    assert not engine._to_free and not engine._copies
+    [copied] = await engine.step([SeqInput(2, b[n:], GREEDY, targets=b[n + 1:] + [0])])
+    alone = LocalEngine(gguf_model, 512)
+    expected_b = wire((await alone.feed(b, GREEDY, targets=b[1:] + [0]))[n:])
+    assert wire(preempting) == wire(copied) == expected_b
+    alone.release(0)
+    assert wire(preempted) == wire(await alone.feed(long_prompt, GREEDY, targets=long_prompt[1:] + [0]))
+    on_the_caller_s_loop = LocalEngine(gguf_model, 64, compute_here=True)
+    on_the_caller_s_loop.reserve(0, 4)
+    with pytest.raises(ValueError, match="one step at a time"):
+        await on_the_caller_s_loop.step([SeqInput(0, [1], GREEDY)], preempt=True)
 
 
 def test_the_default_kv_budget_fits_every_node_s_memory(gguf_model):
