@@ -234,11 +234,15 @@ _X86_AVX512 = _X86_AVX2 and "+avx512vl" in _HOST_FEATURES and "DLLAMA_AVX2_ONLY"
 # without maddubs' 16-bit saturation, and adds into an accumulator: llama.cpp uses it where present.
 # The integer sums are the same either way.
 X86_VNNI = _X86_AVX512 and "+avx512vnni" in _HOST_FEATURES
-# AVX-512 with VNNI and BW: the K-quants' quad dots two runs at a time, on 512-bit registers
-# (scaled_quad_dot_runs). Measured on Intel (Sapphire Rapids); AMD's Zen 4 runs each 512-bit multiply
-# as two 256-bit ones (two runs: four where the 256-bit path takes three), so AMD keeps that path
+# AVX-512 with VNNI and BW: two 256-bit quad dots side by side in one 512-bit vpdpbusd (quad_dot on
+# 64 bytes), as Q8_0's row pairs use them on every such CPU (simd_q8.WIDE_Q8_0)
+X86_WIDE_DOTS = X86_VNNI and "+avx512bw" in _HOST_FEATURES
+# ... and the K-quants' quad dots two runs at a time (scaled_quad_dot_runs), Q4_1's and Q5's halves
+# (simd_q8.WIDE_HALVES): measured on Intel (Sapphire Rapids). AMD's Zen 4 runs each 512-bit multiply
+# as two 256-bit ones, and there they lose (EPYC Zen 4, 1 core, at 8 tokens: Q4_K 1.1-1.2x slower,
+# Q6_K 1.03-1.05x, Q4_1 1.04x), so AMD keeps the 256-bit path for them
 _CPU_NAME = numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm_binding.get_host_cpu_name()
-X86_WIDE_RUNS = X86_VNNI and "+avx512bw" in _HOST_FEATURES and not _CPU_NAME.startswith("znver")
+X86_WIDE_RUNS = X86_WIDE_DOTS and not _CPU_NAME.startswith("znver")
 # GFNI (Intel since Ice Lake, beside the wide runs): gf2p8affineqb applies an 8 x 8 bit matrix to every
 # byte, a matrix per 64-bit lane: wide_nibbles splits 32 bytes into both nibbles' 64 in one instruction
 X86_GFNI = X86_WIDE_RUNS and "+gfni" in _HOST_FEATURES
@@ -313,10 +317,10 @@ def quad_dot(builder, w_i8, x_i8, w_unsigned: bool, acc=None):
     """<32 x i8> weights . <32 x i8> activations (+ <8 x i32> acc) -> <8 x i32>, lane k = sum of
     products 4k..4k+3. Integer sums are exact in any order; on AVX2 this is GGML's maddubs + madd
     pair, with AVX512-VNNI one vpdpbusd, on AArch64 with the dot product two sdot. With
-    X86_WIDE_RUNS, unsigned weights: two such dots side by side (<64 x i8> -> <16 x i32>), one
+    X86_WIDE_DOTS, unsigned weights: two such dots side by side (<64 x i8> -> <16 x i32>), one
     512-bit vpdpbusd."""
-    if w_i8.type.count == 64:  # (X86_WIDE_RUNS) two 32-byte dots side by side: <16 x i32>
-        assert X86_WIDE_RUNS and w_unsigned
+    if w_i8.type.count == 64:  # (X86_WIDE_DOTS) two 32-byte dots side by side: <16 x i32>
+        assert X86_WIDE_DOTS and w_unsigned
         v16 = vec(I32, 16)
         dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
         start = acc if acc is not None else ir.Constant(v16, [0] * 16)
