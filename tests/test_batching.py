@@ -442,6 +442,8 @@ async def test_a_preempting_step_runs_inside_the_step_in_flight(gguf_model, toke
     in_flight = asyncio.ensure_future(engine.step([SeqInput(1, long_prompt, GREEDY, targets=long_prompt[1:] + [0])]))
     while not events:
         await asyncio.sleep(0.001)
+    with pytest.raises(ValueError, match=r"slots \[1\] are in a step in flight"):
+        await engine.step([SeqInput(1, [5], GREEDY)], preempt=True)
     engine.reserve(3, len(b))  # slot 3 again (the step in flight has freed it), with a's start copied
     engine.share_prefix(0, 3, n)
     [preempting] = await engine.step([SeqInput(3, b[n:], GREEDY, targets=b[n + 1:] + [0])], preempt=True)
