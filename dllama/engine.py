@@ -293,9 +293,9 @@ class Engine:
         none of that step's slots. It carries the frees and copies asked since that one was sent."""
         if preempt and not self.preempts:
             raise ValueError(f"{type(self).__name__} runs one step at a time")
-        busy = {q.slot for other in self._in_flight for q in other.seqs}
-        if busy & {s.slot for s in seqs}:
-            raise ValueError(f"slots {sorted(busy & {s.slot for s in seqs})} are in a step in flight")
+        busy = {q.slot for other in self._in_flight for q in other.seqs} & {s.slot for s in seqs}
+        if busy:
+            raise ValueError(f"slots {sorted(busy)} are in a step in flight")
         wire, tokens = [], []
         for s in seqs:
             start = len(self.contexts[s.slot])

@@ -872,9 +872,9 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
     the quantized dots take vpdpbusd where an AVX2-only CPU runs maddubs + madd (and, for the
     signed formats, no bias); on Intel, two K-quant runs or two halves of a Q4_1/Q5 tile's dot
     share a 512-bit register, and two Q8_0 rows' dots do with VNNI (Intel and AMD). Every output
-    bit must be the same: the AVX2 path, forced here with
-    DLLAMA_AVX2_ONLY, in a subprocess (its own kernels); the packed rows' tiles give the stored
-    rows' bits (test_packed_rows_give_the_stored_rows_bits)."""
+    bit must be the same: the AVX2 path, forced here with DLLAMA_AVX2_ONLY, in a subprocess (its
+    own kernels); the packed rows' tiles give the stored rows' bits
+    (test_packed_rows_give_the_stored_rows_bits)."""
     from dllama.kernels.simd import X86_32_REGISTERS
 
     if not X86_32_REGISTERS:

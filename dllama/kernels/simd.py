@@ -240,7 +240,7 @@ X86_WIDE_DOTS = X86_VNNI and "+avx512bw" in _HOST_FEATURES
 # ... and the K-quants' quad dots two runs at a time (scaled_quad_dot_runs), Q4_1's and Q5's halves
 # (simd_q8.WIDE_HALVES): measured on Intel (Sapphire Rapids). AMD's Zen 4 runs each 512-bit multiply
 # as two 256-bit ones, and there they lose (EPYC Zen 4, 1 core, at 8 tokens: Q4_K 1.1-1.2x slower,
-# Q6_K 1.03-1.05x, Q4_1 1.04x), so AMD keeps the 256-bit path for them
+# Q6_K 1.03-1.05x, Q4_1 1.06x), so AMD keeps the 256-bit path for them
 _CPU_NAME = numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm_binding.get_host_cpu_name()
 X86_WIDE_RUNS = X86_WIDE_DOTS and not _CPU_NAME.startswith("znver")
 # GFNI (Intel since Ice Lake, beside the wide runs): gf2p8affineqb applies an 8 x 8 bit matrix to every

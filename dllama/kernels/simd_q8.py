@@ -35,7 +35,7 @@ TILE = (TILE_ROWS, TILE_TOKENS)
 # 8-lane halves in one 512-bit register (one dot, one conversion, one multiply-add for both)
 WIDE_HALVES = X86_WIDE_RUNS
 # Q8_0's tiles hold two rows' 8 lanes in one 512-bit register on AMD's Zen 4 too (X86_WIDE_DOTS): its
-# 49152 x 576 at 8 tokens, 1 core, EPYC Zen 4: 0.59-0.60 -> 0.45-0.46 ns per (row, token, block)
+# 8192 x 576 at 8 tokens, 1 core, EPYC Zen 4: 0.59-0.60 -> 0.45-0.52 ns per (row, token, block)
 WIDE_Q8_0 = X86_WIDE_DOTS
 
 
@@ -411,7 +411,7 @@ _PAIR_TILE = (8, 2) if X86_32_REGISTERS else TILE  # AVX2's 16 registers: 16 acc
 _Q4_1_TILE = (4, 2) if X86_16_REGISTERS else (8, 4) if WIDE_HALVES else _PAIR_TILE
 # Q8_0 with WIDE_Q8_0 (a pair of rows per register, _pair_products): rows packed by 8 and 8 x 4 tiles,
 # 1.5x its 4 x 4 tiles at 4-16 tokens, 1.4x at 64 (SmolLM2's 49152 x 576 output matrix, 1 core, Sapphire
-# Rapids; 4 x 4, 4 x 6, 4 x 8, 8 x 2 and 8 x 6 with pairs: 1.05-1.25x); Zen 4 1.3x at 8 tokens, 1.2x at 64
+# Rapids; 4 x 4, 4 x 6, 4 x 8, 8 x 2 and 8 x 6 with pairs: 1.05-1.25x); Zen 4 1.15-1.3x at 8 and 64 tokens
 _Q8_0_PACKING = (8, (8, 4)) if WIDE_Q8_0 else (4, TILE)
 _PACKING = {"q4_0": (8, _PAIR_TILE), "q4_1": (8, _Q4_1_TILE), "iq4_nl": (8, _PAIR_TILE),
             "q8_0": _Q8_0_PACKING, "q5_0": (8, TILE), "q5_1": (4, TILE)}
