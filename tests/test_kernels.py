@@ -800,6 +800,22 @@ def test_long_packed_rows_walked_span_by_span_give_the_same_bits(qtype):
     _check_packed_rows(qtype, 6144, 3, (16, 35), (1, 2, 3, 4, SPANNED_TOKENS))
 
 
+def test_q4_1_pairs_of_packed_rows_interleave_their_nibbles_where_the_kernels_read_them_so():
+    """Where Q4_1's packed pairs of rows interleave their nibbles (simd_q8.INTERLEAVED_NIBBLES: AVX-512
+    with VNNI, not Intel's 512-bit halves), byte k of a pair's 32 quant bytes holds value k of both
+    rows, the first's in its low nibble; elsewhere each row's 16 bytes as stored, side by side."""
+    from dllama.kernels.packing import PackedRows
+    from dllama.kernels.simd_q8 import INTERLEAVED_NIBBLES
+
+    w = weight_matrix(QType.Q4_1, 8, 32, seed=3)
+    at = FORMATS[QType.Q4_1].field_offsets(8)["qs"]
+    quants = PackedRows.pack(w.data, QType.Q4_1).groups[0, 0, at:at + 128].reshape(4, 32)
+    stored = w.data[:, 4:20]  # each row's quant bytes (after d and m): value k low, k + 16 high
+    values = np.concatenate([stored & 0x0F, stored >> 4], axis=1)  # (8 rows, 32) in value order
+    expected = values[0::2] | (values[1::2] << 4) if "q4_1" in INTERLEAVED_NIBBLES else stored.reshape(4, 32)
+    np.testing.assert_array_equal(quants, expected)
+
+
 def test_packed_rows_of_no_columns_give_zeros():
     """A node's column share can be empty (reduce mode, a node without heads): packed, it has no
     spans, and its product is zeros, float32 or float64."""

@@ -7,8 +7,10 @@ file's layout are four short streams, which the hardware prefetcher does not fol
 slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
 ng .. ng+n-1 together, then block b+1, so that n rows are one sequential stream. Within a block of
 n rows the fields go one after another (every row's scale, then every row's quants, ...): the
-scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`);
-a K-quant group's 6-bit scales and mins are unpacked for all its rows at once (simd_q8k.py).
+scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`;
+where simd_q8.INTERLEAVED_NIBBLES says so, a pair's nibbles interleaved value by value, so that a
+mask and a shift give each row's values in order: `_emit_interleaved_dots`); a K-quant group's
+6-bit scales and mins are unpacked for all its rows at once (simd_q8k.py).
 Each row's blocks are still summed in their order, into their own accumulators: the bits are the
 file layout's.
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant import FORMATS, QType
-from .simd_q8 import PACK_ROWS
+from .simd_q8 import INTERLEAVED_NIBBLES, PACK_ROWS
 from .simd_q8k import K_PACK_ROWS
 
 # Whole rows of 8192 values of Q4_0 by 8 put 36 KB of weights between two reads of an activation,
@@ -72,6 +74,30 @@ def span_blocks(qtype: QType, blocks: int) -> int:
     return min(divisors, key=lambda d: abs(math.log(d * values / SPAN_VALUES)))
 
 
+def _interleaved_quants(qtype: QType) -> int | None:
+    """Where a packed block's quants start, for the formats whose pairs of rows interleave their
+    nibbles (simd_q8.INTERLEAVED_NIBBLES: byte k of a pair's 32 holds value k of its first row in
+    the low nibble and of its second in the high one, so that one mask and one shift give each
+    row's 32 values in order); None for the others."""
+    if QType(qtype).name.lower() not in INTERLEAVED_NIBBLES:
+        return None
+    return FORMATS[qtype].field_offsets(rows_per_group(qtype))["qs"]
+
+
+def _interleave(blocks: np.ndarray, qtype: QType) -> None:
+    """Packed blocks (..., n * block bytes), in place: each pair of rows' 16 + 16 quant bytes (byte
+    k: value k low, k + 16 high) interleaved as _interleaved_quants says. Its own inverse: the same
+    two lines take the interleaved bytes back."""
+    at = _interleaved_quants(qtype)
+    if at is None:
+        return
+    n = rows_per_group(qtype)
+    pairs = blocks[..., at:at + 16 * n].reshape(*blocks.shape[:-1], n // 2, 2, 16)
+    first, second = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+    pairs[..., 0, :] = (first & 0x0F) | (second << 4)  # values 0-15 of both rows (the second's high)
+    pairs[..., 1, :] = (first >> 4) | (second & 0xF0)  # values 16-31
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """groups[s, g] = span s of rows n*g .. n*g + n-1 (n = rows_per_group), block-interleaved; `rows`
@@ -104,6 +130,7 @@ class PackedRows:
                 side_by_side[whole, :, :extra] = part[whole * n:].transpose(1, 0, 2)
             count = whole + (extra > 0)
             by_group = side_by_side[:count].reshape(count, blocks, n * block_bytes)[..., moved]
+            _interleave(by_group, qtype)
             packed[:, g0:g0 + count] = by_group.reshape(count, -1, per_span, n * block_bytes).transpose(1, 0, 2, 3)
         return cls(QType(qtype), rows, packed.reshape(packed.shape[0], n_groups, per_span * n * block_bytes))
 
@@ -126,6 +153,7 @@ class PackedRows:
             raise IndexError(f"row index out of range for {self.rows} rows")
         n, block_bytes = self.rows_per_group, FORMATS[self.qtype].block_bytes
         chosen = self.groups[:, index // n]  # (spans, len, span bytes)
-        blocks = chosen.transpose(1, 0, 2).reshape(len(index), self.row_bytes // block_bytes, n * block_bytes)
+        blocks = chosen.transpose(1, 0, 2).reshape(len(index), self.row_bytes // block_bytes, n * block_bytes).copy()
+        _interleave(blocks, self.qtype)  # (its own inverse)
         blocks = blocks[..., _field_order(self.qtype)].reshape(len(index), blocks.shape[1], n, block_bytes)
         return np.ascontiguousarray(blocks[np.arange(len(index)), :, index % n]).reshape(len(index), self.row_bytes)

@@ -508,6 +508,7 @@ class Span:
                         self._prefetch(builder, block, block_stride)
                 elif self.prefetch is not None:
                     self._prefetch(builder, block, block_stride)
+                self.inner = i  # the block's index within its span (an emitter may look a block ahead)
                 yield builder.add(b0, i), block
 
     def _prefetch(self, builder, block, block_stride: int) -> None:
