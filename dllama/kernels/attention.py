@@ -261,9 +261,13 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
                                                             kv_of_head, layer, Hkv, D, window)
             keys = _f16_rows_at(keys_at, n_ctx, D)  # (positions, D)
             values = _f16_rows_at(values_at, n_ctx // V_TILE * D, V_TILE)  # (tiles x D, V_TILE)
-            for i in range(D):
-                query16[i] = f16_bits(q[t, h * D + i])
-                query[0, i] = f16_at(query16, i)
+            if main == D:  # (a loop LLVM vectorizes: one conversion for 16 values)
+                for i in range(D):
+                    query[0, i] = f16_round(q[t, h * D + i])
+            else:  # f16_tail reads the bits
+                for i in range(D):
+                    query16[i] = f16_bits(q[t, h * D + i])
+                    query[0, i] = f16_at(query16, i)
             weights[0, :n_pad] = 0.0
             _dots_in_strips(keys, lo, n, query, main, weights)
             scores, rounded = weights[0, lo:n], probs[0, lo:n]  # (views: see _softmax_row)
