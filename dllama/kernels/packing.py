@@ -153,7 +153,7 @@ class PackedRows:
             raise IndexError(f"row index out of range for {self.rows} rows")
         n, block_bytes = self.rows_per_group, FORMATS[self.qtype].block_bytes
         chosen = self.groups[:, index // n]  # (spans, len, span bytes)
-        blocks = chosen.transpose(1, 0, 2).reshape(len(index), self.row_bytes // block_bytes, n * block_bytes).copy()
-        _interleave(blocks, self.qtype)  # (its own inverse)
+        blocks = chosen.transpose(1, 0, 2).reshape(len(index), self.row_bytes // block_bytes, n * block_bytes)
+        _interleave(blocks, self.qtype)  # (its own inverse; chosen is a copy: the packed rows stay as they are)
         blocks = blocks[..., _field_order(self.qtype)].reshape(len(index), blocks.shape[1], n, block_bytes)
         return np.ascontiguousarray(blocks[np.arange(len(index)), :, index % n]).reshape(len(index), self.row_bytes)
