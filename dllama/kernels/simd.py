@@ -100,13 +100,18 @@ def halves(builder, v) -> tuple:
 
 
 def opaque(builder, v):
-    """v, with LLVM unable to see what it is: a splat kept opaque stays a vector, so that a product
+    """v, with LLVM unable to see what it is. A splat kept opaque stays a vector, so that a product
     of two splats is one vector multiply rather than (LLVM's choice) a scalar multiply and a
-    broadcast, one more instruction in a prefill tile's inner loop. No code: an empty asm, on x86
-    (AArch64's constraint takes one 128-bit register, not an 8-lane vector: as LLVM likes it there)."""
-    if not _X86_AVX2:
-        return v
-    return builder.asm(ir.FunctionType(v.type, [v.type]), "", "=x,0", [v], side_effect=False)
+    broadcast, one more instruction in a prefill tile's inner loop; a constant kept opaque (a loop's
+    count) is not unrolled; loads through an opaque pointer are not forwarded from a store through
+    the original (they stay loads, which x86 folds into an instruction's broadcast). No code: an
+    empty asm; for vectors on x86 only (AArch64's constraint takes one 128-bit register, not an
+    8-lane vector: as LLVM likes it there)."""
+    if isinstance(v.type, ir.VectorType):
+        if not _X86_AVX2:
+            return v
+        return builder.asm(ir.FunctionType(v.type, [v.type]), "", "=x,0", [v], side_effect=False)
+    return builder.asm(ir.FunctionType(v.type, [v.type]), "", "=r,0", [v], side_effect=False)
 
 
 def hsum_float_8(builder, acc):

@@ -369,12 +369,6 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     return totals
 
 
-def _launder(builder, pointer):
-    """The same pointer, LLVM unable to see that it is: loads through it are not forwarded from a
-    store through the original (they stay loads, which x86 folds into an instruction's broadcast)."""
-    return builder.asm(ir.FunctionType(pointer.type, [pointer.type]), "", "=r,0", [pointer], side_effect=False)
-
-
 def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, span,
                            block_stride: int):
     """The dots of n_rows (even) rows of Q4_1 packed field by field, their nibbles interleaved by
@@ -391,11 +385,10 @@ def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_ro
     tokens = range(len(x_rows))
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {(i, j): span.accumulator(builder, zero) for i in range(n_rows) for j in tokens}
-    summs_slots = {j: span.accumulator(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows)) for j in tokens} \
-        if fmt in _WITH_MIN else {}
+    summs_slots = {j: span.accumulator(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows)) for j in tokens}
     per_block = n_rows * len(x_rows)  # a block's scales, (token, row)
     scratch = cgutils.alloca_once(builder, vec(acc_t, n_rows), size=2 * len(x_rows))  # two blocks' scales
-    scales_at = _launder(builder, builder.bitcast(scratch, acc_t.as_pointer()))
+    scales_at = opaque(builder, builder.bitcast(scratch, acc_t.as_pointer()))  # (loads, not forwarded)
 
     def store_scales(b, block, parity):
         """Block b's (at byte `block`) scales into half `parity` (an i64, 0 or 1) of the scratch."""
@@ -417,8 +410,7 @@ def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_ro
         more = builder.icmp_signed("<", builder.add(span.inner, one), span.per_span)
         store_scales(builder.select(more, builder.add(b, one), b),
                      builder.select(more, builder.add(block, stride), block), builder.xor(parity, one))
-        m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows)) \
-            if fmt in _WITH_MIN else None
+        m_w = builder.fpext(load_at(builder, fields["m"], block, F16, n_rows), vec(acc_t, n_rows))
         quants = []
         for p in range(n_rows // 2):
             packed = load_at(builder, fields["qs"], builder.add(block, ir.Constant(I64, 32 * p)), I8, 32)
@@ -438,19 +430,13 @@ def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_ro
                 slot = acc_slots[i, j]
                 builder.store(fmuladd(builder, builder.sitofp(quads, vec(acc_t, LANES)), scale, builder.load(slot)),
                               slot)
-            if fmt in _WITH_MIN:
-                ds_x = builder.load(builder.gep(xds_ptr, [b]))
-                ds_x = splat(builder, builder.fpext(ds_x, F64) if acc_t is F64 else ds_x, n_rows)
-                builder.store(fmuladd(builder, m_w, ds_x, builder.load(summs_slots[j])), summs_slots[j])
+            ds_x = builder.load(builder.gep(xds_ptr, [b]))
+            ds_x = splat(builder, builder.fpext(ds_x, F64) if acc_t is F64 else ds_x, n_rows)
+            builder.store(fmuladd(builder, m_w, ds_x, builder.load(summs_slots[j])), summs_slots[j])
     span.save(builder)
-    totals = [[None] * len(x_rows) for _ in range(n_rows)]
-    for i in range(n_rows):
-        for j in tokens:
-            total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
-            if fmt in _WITH_MIN:
-                total = builder.fadd(total, builder.extract_element(builder.load(summs_slots[j]), ir.Constant(I32, i)))
-            totals[i][j] = total
-    return totals
+    return [[builder.fadd(hsum_float_8(builder, builder.load(acc_slots[i, j])),
+                          builder.extract_element(builder.load(summs_slots[j]), ir.Constant(I32, i)))
+             for j in tokens] for i in range(n_rows)]
 
 
 def group_fields(builder, fmt: str, group_ptr, i0, pack: int) -> dict:

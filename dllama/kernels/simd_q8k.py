@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_VNNI, X86_WIDE_RUNS, InLanes,
-                   block_intrinsics, concat, const_vec, fmuladd, halves, hsum_float_8, lane_scales, load_at,
+                   block_intrinsics, concat, const_vec, fmuladd, halves, hsum_float_8, lane_scales, load_at, opaque,
                    packed_intrinsics, pair_products, pair_sums, run_pair_scales, run_pair_scales_wide, run_scales,
                    scale_table, scaled_quad_dot, scaled_quad_dot_pair, scaled_quad_dot_runs, splat, vec)
 from .simd_q8 import TILE, block_format, group_fields
@@ -205,7 +205,7 @@ def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
     for g, i in rows:
         slot = cgutils.alloca_once_value(builder, tables[g][i])
         table_at.append(builder.bitcast(slot, tables[g][i].type.element.as_pointer()))
-    with cgutils.for_range(builder, _opaque_i64(builder, 4)) as loop:
+    with cgutils.for_range(builder, opaque(builder, _i64(4))) as loop:  # (a count LLVM cannot see: kept a loop)
         p = loop.index
         for half in (0, 1):
             k = _run_number(builder, fmt, p, half)
@@ -225,11 +225,6 @@ def _looped_runs(builder, fmt: str, groups, rows, block, tables, x_at) -> dict:
                     slot = sumi_slots[r, j]
                     builder.store(scaled_quad_dot(builder, quants, x, scales, builder.load(slot)), slot)
     return {pair: builder.load(slot) for pair, slot in sumi_slots.items()}
-
-
-def _opaque_i64(builder, n: int):
-    """The constant n, which LLVM cannot see: a loop of n iterations stays a loop (not unrolled)."""
-    return builder.asm(ir.FunctionType(I64, [I64]), "", "=r,0", [_i64(n)], side_effect=False)
 
 
 def _emit_k_dots(builder, fmt: str, acc_t: ir.Type, groups, x_rows, span, block_stride: int):
