@@ -22,24 +22,74 @@ from .simd_float import f16_bits, f32_bits, f32_from_bits, f64_bits, f64_from_bi
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _rmsnorm_row(x, weight, eps, out, t):
-    n = x.shape[1]
-    total = 0.0
-    for i in range(n):
-        total += np.float64(x[t, i] * x[t, i])
-    scale = np.float32(1.0) / np.sqrt(np.float32(total / n) + eps)
-    for i in range(n):
+def _rmsnorm_scale(x, weight, eps, out, t, total):
+    scale = np.float32(1.0) / np.sqrt(np.float32(total / x.shape[1]) + eps)
+    for i in range(x.shape[1]):
         out[t, i] = (x[t, i] * scale) * weight[i]
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _rmsnorm_row(x, weight, eps, out, t):
+    total = 0.0
+    for i in range(x.shape[1]):
+        total += np.float64(x[t, i] * x[t, i])
+    _rmsnorm_scale(x, weight, eps, out, t, total)
+
+
+RMSNORM_ROWS = 8  # rows normed side by side (_rmsnorm_rows)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _rmsnorm_rows(x, weight, eps, out, t0):
+    """Rows t0..t0+7 (past the last row, the last again: a short group's spare chains repeat it and
+    write the same values): their sums of squares side by side, eight chains of float64 additions,
+    each row's in GGML's order. One row's chain waits for each addition (3-4 cycles); eight keep
+    the adders busy. The rows of 8 decoding sequences of SmolLM2 (576 values; AMD Zen 4, 1 core, the
+    call included): 5.2 -> 2.8 us a norm, one row 1.6 us."""
+    last = x.shape[0] - 1
+    r0, r1, r2, r3 = t0, min(t0 + 1, last), min(t0 + 2, last), min(t0 + 3, last)
+    r4, r5, r6, r7 = min(t0 + 4, last), min(t0 + 5, last), min(t0 + 6, last), min(t0 + 7, last)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    for i in range(x.shape[1]):
+        a0, a1, a2, a3 = x[r0, i], x[r1, i], x[r2, i], x[r3, i]
+        a4, a5, a6, a7 = x[r4, i], x[r5, i], x[r6, i], x[r7, i]
+        s0 += np.float64(a0 * a0)
+        s1 += np.float64(a1 * a1)
+        s2 += np.float64(a2 * a2)
+        s3 += np.float64(a3 * a3)
+        s4 += np.float64(a4 * a4)
+        s5 += np.float64(a5 * a5)
+        s6 += np.float64(a6 * a6)
+        s7 += np.float64(a7 * a7)
+    _rmsnorm_scale(x, weight, eps, out, r0, s0)
+    _rmsnorm_scale(x, weight, eps, out, r1, s1)
+    _rmsnorm_scale(x, weight, eps, out, r2, s2)
+    _rmsnorm_scale(x, weight, eps, out, r3, s3)
+    _rmsnorm_scale(x, weight, eps, out, r4, s4)
+    _rmsnorm_scale(x, weight, eps, out, r5, s5)
+    _rmsnorm_scale(x, weight, eps, out, r6, s6)
+    _rmsnorm_scale(x, weight, eps, out, r7, s7)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _rmsnorm_group(x, weight, eps, out, g):
+    """Group g of RMSNORM_ROWS rows; one row alone (a decode step's) as one chain."""
+    t0 = g * RMSNORM_ROWS
+    if t0 == x.shape[0] - 1:
+        _rmsnorm_row(x, weight, eps, out, t0)
+    else:
+        _rmsnorm_rows(x, weight, eps, out, t0)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _rmsnorm(x, weight, eps, out):
+    groups = (x.shape[0] + RMSNORM_ROWS - 1) // RMSNORM_ROWS
     if x.size <= SERIAL_VALUES:  # a few rows: no thread team
-        for t in range(x.shape[0]):
-            _rmsnorm_row(x, weight, eps, out, t)
+        for g in range(groups):
+            _rmsnorm_group(x, weight, eps, out, g)
     else:
-        for t in prange(x.shape[0]):
-            _rmsnorm_row(x, weight, eps, out, t)
+        for g in prange(groups):
+            _rmsnorm_group(x, weight, eps, out, g)
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
