@@ -515,26 +515,29 @@ def test_attention_matches_reference(T, start, Hq, Hkv, kv_map):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=5e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kv_map", [[0, 0, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2]], ids=["2-2", "3-7-1"])
 @pytest.mark.parametrize("start", [0, 30, 31, 70])  # n_pad: 32 (one step), 32 (full), 64, 96
-def test_attention_is_ggml_s_single_token_path_bit_for_bit(start):
+def test_attention_is_ggml_s_single_token_path_bit_for_bit(start, kv_map):
     """One query against the cache: its scores are dot_f16 (ggml_vec_dot_f16's order) of its f16
     rounding with each key, scaled; the softmax as `softmax` computes it, rounded to f16; each
     output dimension dot_f16 of those weights, zero-padded to the dot's step of 32, with that
     dimension's values (llama.cpp's transposed V). The cache's values, in tiles of 32 positions,
-    and the dots of two accumulators per 512-bit register must give exactly these bits."""
+    the dots of two accumulators per 512-bit register, and the query heads of a KV head computed
+    together (in blocks of up to GROUP_QUERIES: here 2, 3, 7 and 1 heads a KV head) must give
+    exactly these bits."""
     from dllama.kernels.attention import softmax
     from dllama.kernels.matmul import dot_f16
 
     rng = np.random.default_rng(start)
-    Hkv, D, ctx = 2, 64, 96
+    Hq, Hkv, D, ctx = len(kv_map), max(kv_map) + 1, 64, 96
     n = start + 1
     k, v = _kv(rng, Hkv, ctx, D, n)
-    q = rng.standard_normal((1, 4, D)).astype(np.float32)
-    kv_of_head = np.array([0, 0, 1, 1], np.int64)
+    q = rng.standard_normal((1, Hq, D)).astype(np.float32)
+    kv_of_head = np.array(kv_map, np.int64)
     ours = attention(q, k, v, kv_of_head, start)
     scale = np.float32(1.0) / np.sqrt(np.float32(D))
     n_pad = -(-n // 32) * 32
-    for h in range(4):
+    for h in range(Hq):
         keys, values = k[kv_of_head[h]].view(np.uint16), v[kv_of_head[h]].view(np.uint16)
         q16 = q[0, h].astype(np.float16).view(np.uint16)
         scores = np.array([dot_f16(keys, p * D, q16, 0, D) for p in range(n)], np.float32) * scale
@@ -858,12 +861,14 @@ def test_q8_activations_assembled_column_major_give_the_same_product():
 # ------------------------------------------------------------------ the two x86 instruction paths
 
 def attention_case(D: int, start: int) -> np.ndarray:
-    """Attention of 5 queries of 6 heads (GQA: 2 KV heads) at positions start.. over a random cache."""
+    """Attention of 5 queries of 10 heads (GQA: 3 KV heads, read by 4, 1 and 5 heads: blocks of 2
+    and 2, 1, 3 and 2 with AVX-512, one head at a time with AVX2) at positions start.. over a
+    random cache."""
     rng = np.random.default_rng(D + start)
-    k = rng.standard_normal((2, 96, D)).astype(np.float16)
-    v = rng.standard_normal((2, D, 96)).astype(np.float16)
-    q = rng.standard_normal((5, 6, D)).astype(np.float32)
-    return attention(q, k, v, np.array([0, 0, 0, 1, 1, 1]), start)
+    k = rng.standard_normal((3, 96, D)).astype(np.float16)
+    v = rng.standard_normal((3, D, 96)).astype(np.float16)
+    q = rng.standard_normal((5, 10, D)).astype(np.float32)
+    return attention(q, k, v, np.array([0, 0, 0, 0, 1, 2, 2, 2, 2, 2]), start)
 
 
 ATTENTION_CASES = [(64, 0), (64, 40), (80, 27), (8, 60)]  # (head_dim, start): a key's tail, rows < a strip
@@ -889,8 +894,9 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
     """With AVX-512 the prefill tiles are 4 x 4 (2 x 4 with AVX2's 16 registers) and, with VNNI,
     the quantized dots take vpdpbusd where an AVX2-only CPU runs maddubs + madd (and, for the
     signed formats, no bias); on Intel, two K-quant runs or two halves of a Q4_1/Q5 tile's dot
-    share a 512-bit register, and two Q8_0 rows' dots do with VNNI (Intel and AMD). Every output
-    bit must be the same: the AVX2 path, forced here with DLLAMA_AVX2_ONLY, in a subprocess (its
+    share a 512-bit register, and two Q8_0 rows' dots do with VNNI (Intel and AMD); the attention
+    takes up to 3 query heads of a KV head at once (one with AVX2). Every output bit must be the
+    same: the AVX2 path, forced here with DLLAMA_AVX2_ONLY, in a subprocess (its
     own kernels); the packed rows' tiles give the stored rows' bits
     (test_packed_rows_give_the_stored_rows_bits)."""
     from dllama.kernels.simd import X86_32_REGISTERS
@@ -911,7 +917,8 @@ def test_avx2_path_gives_the_avx512_path_s_bits(tmp_path):
         np.testing.assert_array_equal(avx2[f"{q.name}-packed"], avx2[f"{q.name}-False"], err_msg=f"{q.name} packed")
     f16 = matmul(weight_matrix(QType.F16, 11, 333, seed=9).data, QType.F16, activations(9, 333, seed=10))
     np.testing.assert_array_equal(f16, avx2["f16"], err_msg="F16 (strips of 2 rows with AVX2)")
-    for D, start in ATTENTION_CASES:  # f16 dots of a pair of GGML's accumulators in one 512-bit register
+    for D, start in ATTENTION_CASES:  # f16 dots of a pair of GGML's accumulators in one 512-bit register,
+        # several query heads a KV head at once
         np.testing.assert_array_equal(attention_case(D, start), avx2[f"attention-{D}-{start}"], err_msg=f"{D} {start}")
 
 

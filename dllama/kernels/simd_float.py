@@ -106,12 +106,13 @@ F16_TILE_ROWS, F16_TILE_TOKENS = 2, 2
 F16_STRIP_ROWS = 4 if X86_32_REGISTERS else 2
 
 
-def _f16_tile(n_rows: int, n_tokens: int, in_tiles: bool = False):
+def _f16_tile(n_rows: int, n_tokens: int, in_tiles: bool = False, prefetch_next: bool | None = None):
     """Codegen of an f16 weight tile (n_rows rows `step` apart x n_tokens tokens, float32
     activations that are f16s, exactly converted): each pair in dot_f16_f16_vec's order (its own
     four accumulators), each weight vector converted once for the tokens, each activation vector
     loaded once for the rows. in_tiles: w's rows are 32 values, and a row's next 32 are `run` rows
-    further on (the KV cache's values, tiles of 32 positions: see attention.py)."""
+    further on (the KV cache's values, tiles of 32 positions: see attention.py). prefetch_next:
+    prefetch the rows the caller's next tile reads (default: for one token, a decode strip)."""
     def codegen(context, builder, signature, args):
         if in_tiles:
             w_arr, row, step, run, x_arr, tok, count, out = args
@@ -145,7 +146,7 @@ def _f16_tile(n_rows: int, n_tokens: int, in_tiles: bool = False):
         next_rows = builder.select(builder.icmp_signed("==", step, ir.Constant(I64, 1)), ir.Constant(I64, n_rows),
                                    ir.Constant(I64, 1))
         ahead = [builder.bitcast(row_ptr(context, builder, ty[0], w_arr, builder.add(r, next_rows)), I8.as_pointer())
-                 for r in rows] if n_tokens == 1 else []
+                 for r in rows] if (n_tokens == 1 if prefetch_next is None else prefetch_next) else []
         n_steps = builder.sdiv(context.cast(builder, count, ty[5], types.intp), ir.Constant(I64, 4 * LANES))
         with cgutils.for_range(builder, n_steps) as loop:
             at = builder.mul(loop.index, step_bytes)  # the step's first weight byte, from the row's
@@ -192,22 +193,53 @@ def strip_f16_f32(typingctx, w, r, step, x, t, n, out):
     return types.void(w, r, step, x, t, n, out), _f16_tile(F16_STRIP_ROWS, 1)
 
 
-@intrinsic
-def row_f16_f32(typingctx, w, r, step, x, t, n, out):
-    """The same for row r alone against token t."""
-    return types.void(w, r, step, x, t, n, out), _f16_tile(1, 1)
+# The attention's dots: the query heads that share a KV head (GQA), up to GROUP_QUERIES at a time,
+# against its keys, and their softmax weights against its values, each key or value vector converted
+# once for all of them (strips of F16_STRIP_ROWS rows x g queries: 24 accumulators and 4 vectors at
+# g = 3 in AVX-512's 32 registers; elsewhere a strip holds one query, as the strips above).
+GROUP_QUERIES = 3 if X86_32_REGISTERS else 1
+
+
+def _f16_group_tile(n_rows: int, in_tiles: bool):
+    """Codegen of _f16_tile(n_rows, g, in_tiles) for g (1..GROUP_QUERIES) given at run time, as the
+    argument after t: a branch per g."""
+    bodies = [_f16_tile(n_rows, g, in_tiles, prefetch_next=True) for g in range(1, GROUP_QUERIES + 1)]
+    at = 6 if in_tiles else 5  # g's place among the arguments
+
+    def codegen(context, builder, signature, args):
+        g = context.cast(builder, args[at], signature.args[at], types.intp)
+        rest = signature.replace(args=signature.args[:at] + signature.args[at + 1:])
+        for n_tokens, body in enumerate(bodies, 1):
+            with builder.if_then(builder.icmp_signed("==", g, ir.Constant(I64, n_tokens))):
+                body(context, builder, rest, args[:at] + args[at + 1:])
+        return context.get_dummy_value()
+
+    return codegen
 
 
 @intrinsic
-def strip_f16_f32_tiled(typingctx, w, r, step, run, x, t, n, out):
-    """strip_f16_f32 of rows whose values come 32 at a time, `run` rows of w apart (in_tiles)."""
-    return types.void(w, r, step, run, x, t, n, out), _f16_tile(F16_STRIP_ROWS, 1, in_tiles=True)
+def keys_f16_f32(typingctx, w, r, step, x, t, g, n, out):
+    """strip_f16_f32 against tokens t..t+g-1 (g <= GROUP_QUERIES): out[t + j, r + i * step] for
+    i < F16_STRIP_ROWS, j < g, each key converted once for the g queries."""
+    return types.void(w, r, step, x, t, g, n, out), _f16_group_tile(F16_STRIP_ROWS, False)
 
 
 @intrinsic
-def row_f16_f32_tiled(typingctx, w, r, step, run, x, t, n, out):
-    """row_f16_f32 of such a row."""
-    return types.void(w, r, step, run, x, t, n, out), _f16_tile(1, 1, in_tiles=True)
+def key_f16_f32(typingctx, w, r, step, x, t, g, n, out):
+    """The same for row r alone."""
+    return types.void(w, r, step, x, t, g, n, out), _f16_group_tile(1, False)
+
+
+@intrinsic
+def values_f16_f32(typingctx, w, r, step, run, x, t, g, n, out):
+    """keys_f16_f32 of rows whose values come 32 at a time, `run` rows of w apart (in_tiles)."""
+    return types.void(w, r, step, run, x, t, g, n, out), _f16_group_tile(F16_STRIP_ROWS, True)
+
+
+@intrinsic
+def value_f16_f32(typingctx, w, r, step, run, x, t, g, n, out):
+    """The same for row r alone."""
+    return types.void(w, r, step, run, x, t, g, n, out), _f16_group_tile(1, True)
 
 
 @intrinsic
