@@ -32,6 +32,9 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,9 +64,9 @@ def measure_dllama(path: str, threads: int, batches: list[int], prompt_tokens: i
             for b in batches:  # (interleaved: a slow spell hits every batch size)
                 for s in range(b):
                     engine.rewind(prompt_tokens, s)
-                t0 = _now()
+                t0 = time.perf_counter()
                 await engine.step([SeqInput(s, [tokens[s][prompt_tokens + i]], greedy) for s in range(b)])
-                times[b].append(_now() - t0)
+                times[b].append(time.perf_counter() - t0)
         await engine.close()
         return times
 
@@ -106,9 +109,9 @@ def measure_llama_cpp(path: str, threads: int, batches: list[int], prompt_tokens
         for b in batches:
             for s in range(b):
                 lc.llama_memory_seq_rm(memory, s, prompt_tokens, -1)
-            t0 = _now()
+            t0 = time.perf_counter()
             decode([(s, prompt_tokens, tokens[s][prompt_tokens + i], True) for s in range(b)])
-            times[b].append(_now() - t0)
+            times[b].append(time.perf_counter() - t0)
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model)
@@ -117,16 +120,8 @@ def measure_llama_cpp(path: str, threads: int, batches: list[int], prompt_tokens
 
 def _tokens(sequences: int, n: int) -> list[list[int]]:
     """Fixed token ids per sequence (the same for both engines), within any real vocabulary."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     return [[int(t) for t in rng.integers(100, 20000, n)] for _ in range(sequences)]
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 SIDES = {"dllama": measure_dllama, "llama.cpp": measure_llama_cpp}
