@@ -57,8 +57,8 @@ def measure_dllama(path: str, threads: int, batches: list[int], prompt_tokens: i
         engine = LocalEngine(GGUFModel(path), prompt_tokens + 32, slots=most, compute_here=True)
         await engine.warm_up()
         for s in range(most):
+            await engine.feed(tokens[s][:prompt_tokens], greedy, slot=s)  # (in steps of at most PREFILL_CHUNK)
             engine.reserve(s, prompt_tokens + 1)
-            await engine.step([SeqInput(s, tokens[s][:prompt_tokens], greedy, want_logits=False)])
         times = {b: [] for b in batches}
         for i in range(steps):
             for b in batches:  # (interleaved: a slow spell hits every batch size)
