@@ -862,7 +862,7 @@ def test_q8_activations_assembled_column_major_give_the_same_product():
 
 def attention_case(D: int, start: int) -> np.ndarray:
     """Attention of 5 queries of 10 heads (GQA: 3 KV heads, read by 4, 1 and 5 heads: blocks of 2
-    and 2, 1, 3 and 2 with AVX-512, one head at a time with AVX2) at positions start.. over a
+    and 2, 1, 2 and 3 with AVX-512, one head at a time with AVX2) at positions start.. over a
     random cache."""
     rng = np.random.default_rng(D + start)
     k = rng.standard_normal((3, 96, D)).astype(np.float16)
