@@ -157,11 +157,10 @@ def main() -> None:
     if 1 not in batches:
         batches = [1, *batches]  # (the gain is over one sequence)
         args.batches = ",".join(map(str, batches))
+    sys.path.insert(0, ROOT)
     if args.side:
-        sys.path.insert(0, ROOT)
         print(json.dumps(SIDES[args.side](args.model, args.threads, batches, args.prompt_tokens, args.steps)))
         return
-    sys.path.insert(0, ROOT)
     from dllama.registry import resolve_model
 
     model = str(resolve_model(args.model))
