@@ -17,11 +17,14 @@ decode tokens/s (median over requests, after each one's first token), time to fi
 p95. Several rounds; the table shows medians.
 
     python benchmarks/bench_serve.py [--model smollm2|PATH] [--clients 1,4,8,16] [--max-tokens 64]
-                                     [--threads 2] [--servers ours,ours-3,llama-server] [--rounds 2]
+                                     [--threads 2] [--servers ours,ours-no-http,ours-3,llama-server]
+                                     [--rounds 2]
                                      [--loads burst,sustained] [--duration 20] [--stagger 0.25]
 
-ours: one node with --threads; ours-3: root + 2 local workers (one thread each: the machine's cores
-are shared by three processes); llama-server: built by benchmarks/build_llama_server.sh from the
+ours: one node with --threads; ours-no-http: the same engine and scheduler with the users as
+coroutines of its process (no HTTP, no JSON, no client process: the ceiling of ours's figures, and
+what its front end costs beside it); ours-3: root + 2 local workers (one thread each: the machine's
+cores are shared by three processes); llama-server: built by benchmarks/build_llama_server.sh from the
 llama.cpp sources in the llama-cpp-python sdist that pyproject.toml pins (the script runs it if the
 binary is missing). The machine may be shared: compare figures of the same run.
 """
@@ -39,12 +42,15 @@ import sys
 import tempfile
 import time
 
+from functools import partial
+
 import aiohttp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LLAMA_SERVER = os.path.join(HERE, ".llama-server", "bin", "llama-server")
 CTX_PER_SLOT = 512
+NO_HTTP = "ours-no-http"  # ours's engine and scheduler alone, the users in its process (no_http_loads)
 
 QUESTIONS = ["What is the capital of France?", "Name three colours and describe them.", "Count from one to ten.",
              "What do bees make, and how?", "Say hello in five languages.", "Explain what rain is.",
@@ -131,8 +137,11 @@ async def one_stream(http: aiohttp.ClientSession, url: str, question: str, max_t
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     chunks.append(time.perf_counter())
-    end = time.perf_counter()
-    tokens = usage["completion_tokens"] if usage else len(chunks)
+    return _answer(start, t0, usage["completion_tokens"] if usage else len(chunks), chunks, time.perf_counter())
+
+
+def _answer(start: float, t0: float, tokens: int, chunks: list[float], end: float) -> dict:
+    """One answer's figures: it was asked at `start`, its pieces of text came at `chunks`."""
     first = chunks[0] if chunks else end
     return {"start": start, "ttft": first - t0, "tokens": tokens, "chunks": chunks, "end": end,
             "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0}
@@ -151,18 +160,17 @@ def _latency(requests: list[dict]) -> dict:
             "requests": len(requests)}
 
 
-async def run_burst(url: str, n: int, max_tokens: int) -> dict:
-    """n clients ask at the same instant, once each."""
-    async with _session() as http:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(http, url, QUESTIONS[i % len(QUESTIONS)], max_tokens, t0)
-                                         for i in range(n)))
+async def run_burst(ask, n: int, max_tokens: int) -> dict:
+    """n clients ask at the same instant, once each. ask(question, max_tokens, t0): one answer's
+    figures (one_stream's)."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(ask(QUESTIONS[i % len(QUESTIONS)], max_tokens, t0) for i in range(n)))
     wall = max(r["end"] for r in results) - t0
     tokens = sum(r["tokens"] for r in results)
     return {"aggregate_tps": tokens / wall, **_latency(results), "tokens": tokens}
 
 
-async def run_sustained(url: str, n: int, max_tokens: int, duration: float, stagger: float) -> dict:
+async def run_sustained(ask, n: int, max_tokens: int, duration: float, stagger: float) -> dict:
     """n users, user i starting i * stagger seconds in, each asking again as soon as its answer
     ends, until `duration` seconds after the last one started; figures over that window. Every
     question is numbered, so that no server answers it from a cached earlier prompt."""
@@ -175,13 +183,12 @@ async def run_sustained(url: str, n: int, max_tokens: int, duration: float, stag
         while time.perf_counter() < window_end:
             asked += 1
             question = f"Question {asked}: {QUESTIONS[(i + len(answers) * n) % len(QUESTIONS)]}"
-            answers.append(await one_stream(http, url, question, max_tokens, time.perf_counter()))
+            answers.append(await ask(question, max_tokens, time.perf_counter()))
         return answers
 
-    async with _session() as http:
-        window_start = time.perf_counter() + (n - 1) * stagger
-        window_end = window_start + duration
-        answers = [a for user_answers in await asyncio.gather(*(user(i) for i in range(n))) for a in user_answers]
+    window_start = time.perf_counter() + (n - 1) * stagger
+    window_end = window_start + duration
+    answers = [a for user_answers in await asyncio.gather(*(user(i) for i in range(n))) for a in user_answers]
     # an answer's tokens spread over its pieces of text (a piece is a token, or a few)
     streamed = sum(a["tokens"] / len(a["chunks"]) * sum(window_start <= c < window_end for c in a["chunks"])
                    for a in answers if a["chunks"])
@@ -189,22 +196,69 @@ async def run_sustained(url: str, n: int, max_tokens: int, duration: float, stag
     return {"aggregate_tps": streamed / duration, **_latency(inside), "tokens": round(streamed)}
 
 
+async def run_loads(ask, n: int, max_tokens: int, loads: list[str], duration: float, stagger: float) -> dict:
+    await ask("Hello", 4, time.perf_counter())  # warm-up, once for the loads that follow
+    return {load: await (run_burst(ask, n, max_tokens) if load == "burst" else
+                         run_sustained(ask, n, max_tokens, duration, stagger)) for load in loads}
+
+
 async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int, loads: list[str],
                   duration: float, stagger: float) -> dict[str, dict]:
+    if kind == NO_HTTP:
+        return no_http_side(model, threads, n, max_tokens, loads, duration, stagger)
     server = Server(kind, model, threads, n)
     try:
         await server.ready()
-        async with _session() as http:  # warm-up, once for the loads that follow
-            await one_stream(http, server.url, "Hello", 4, time.perf_counter())
-        figures = {}
-        for load in loads:
-            figures[load] = await (run_burst(server.url, n, max_tokens) if load == "burst" else
-                                   run_sustained(server.url, n, max_tokens, duration, stagger))
-        return figures
+        async with _session() as http:
+            return await run_loads(partial(one_stream, http, server.url), n, max_tokens, loads, duration, stagger)
     except aiohttp.ClientError as e:
         raise RuntimeError(f"{type(e).__name__}: {e}; the server's log ends: {server.log_tail()[-400:]!r}") from e
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------ ours without HTTP
+
+
+def no_http_side(model: str, threads: int, n: int, max_tokens: int, loads: list[str], duration: float,
+                 stagger: float) -> dict[str, dict]:
+    """NO_HTTP's figures, from a process of its own (as the servers have)."""
+    job = {"model": model, "threads": threads, "n": n, "max_tokens": max_tokens, "loads": loads,
+           "duration": duration, "stagger": stagger}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--no-http-job", json.dumps(job)], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{NO_HTTP} exited with {done.returncode}: {done.stderr[-400:]!r}")
+    return json.loads(done.stdout)
+
+
+async def no_http_loads(model: str, threads: int, n: int, max_tokens: int, loads: list[str], duration: float,
+                        stagger: float) -> dict[str, dict]:
+    """`ours` without its front end: the engine and the scheduler `serve` runs (Batcher, a compute
+    thread beside the event loop), the same prompts (the chat template), the users coroutines of
+    this process that count the pieces of text as the server would stream them. No HTTP, no JSON, no
+    client process: what is left is the ceiling of `ours`'s figures on this machine."""
+    from dllama.cli.common import open_runtime
+    from dllama.generate import Generator
+    from dllama.sampling import SamplingParams
+
+    runtime = await open_runtime({"model": model, "threads": threads, "max_batch": n, "ctx_size": CTX_PER_SLOT},
+                                 quiet=True)
+    try:
+        generator, tokenizer = Generator(runtime.engine, runtime.tokenizer), runtime.tokenizer
+        greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0)  # (the API's defaults, at temperature 0)
+
+        async def ask(question: str, max_tokens: int, t0: float) -> dict:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+            prompt = tokenizer.encode(text, add_bos=False, special=True)  # (as ServerState.chat_prompt)
+            start, chunks = time.perf_counter(), []
+            gen = await generator.generate(prompt, greedy, max_tokens,
+                                           on_text=lambda piece: piece and chunks.append(time.perf_counter()))
+            return _answer(start, t0, len(gen.tokens), chunks, time.perf_counter())
+
+        return await run_loads(ask, n, max_tokens, loads, duration, stagger)
+    finally:
+        await runtime.close()
 
 
 # ------------------------------------------------------------------ the table
@@ -215,12 +269,16 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--no-http-job"]:  # (no_http_side's process)
+        sys.path.insert(0, ROOT)
+        print(json.dumps(asyncio.run(no_http_loads(**json.loads(sys.argv[2])))))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--servers", default="ours,ours-3,llama-server")
+    ap.add_argument("--servers", default=f"ours,{NO_HTTP},ours-3,llama-server")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--loads", default="burst,sustained", help="burst, sustained, or both (comma-separated)")
     ap.add_argument("--duration", type=float, default=20.0, help="sustained: seconds measured once all users ask")
@@ -275,8 +333,8 @@ def main() -> None:
                     print(f"| {kind} | {n} | failed: {failures.get((kind, n), '?')} | | | | | |")
                     continue
                 f = figures[(load, kind, n)]
-                ratio = f"{f['aggregate_tps'] / anchor['aggregate_tps']:.2f}x" if anchor and kind != "llama-server" \
-                    else ""
+                ratio = f"{f['aggregate_tps'] / anchor['aggregate_tps']:.2f}x" \
+                    if anchor and kind not in ("llama-server", NO_HTTP) else ""
                 print(f"| {kind} | {n} | {f['aggregate_tps']:.1f} | {f['stream_tps']:.1f} | {f['ttft_p50_ms']:.0f} | "
                       f"{f['ttft_p95_ms']:.0f} | {f['requests']:.0f} | {ratio} |")
         for kind in servers:
