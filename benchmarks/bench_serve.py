@@ -22,8 +22,8 @@ p95. Several rounds; the table shows medians.
                                      [--loads burst,sustained] [--duration 20] [--stagger 0.25]
 
 ours: one node with --threads; ours-no-http: the same engine and scheduler with the users as
-coroutines of its process (no HTTP, no JSON, no client process: the ceiling of ours's figures, and
-what its front end costs beside it); ours-3: root + 2 local workers (one thread each: the machine's
+coroutines of its process (no HTTP, no JSON, no client process: the gap to ours is what its front
+end costs); ours-3: root + 2 local workers (one thread each: the machine's
 cores are shared by three processes); llama-server: built by benchmarks/build_llama_server.sh from the
 llama.cpp sources in the llama-cpp-python sdist that pyproject.toml pins (the script runs it if the
 binary is missing). The machine may be shared: compare figures of the same run.
@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-
+import traceback
 from functools import partial
 
 import aiohttp
@@ -51,6 +51,7 @@ ROOT = os.path.dirname(HERE)
 LLAMA_SERVER = os.path.join(HERE, ".llama-server", "bin", "llama-server")
 CTX_PER_SLOT = 512
 NO_HTTP = "ours-no-http"  # ours's engine and scheduler alone, the users in its process (no_http_loads)
+NO_HTTP_TIMEOUT = 600  # s, beyond a sustained load's duration: loading, warming up, a burst
 
 QUESTIONS = ["What is the capital of France?", "Name three colours and describe them.", "Count from one to ten.",
              "What do bees make, and how?", "Say hello in five languages.", "Explain what rain is.",
@@ -225,19 +226,23 @@ def no_http_side(model: str, threads: int, n: int, max_tokens: int, loads: list[
     """NO_HTTP's figures, from a process of its own (as the servers have)."""
     job = {"model": model, "threads": threads, "n": n, "max_tokens": max_tokens, "loads": loads,
            "duration": duration, "stagger": stagger}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--no-http-job", json.dumps(job)], cwd=ROOT,
-                          capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--no-http-job", json.dumps(job)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=NO_HTTP_TIMEOUT + duration)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{NO_HTTP} did not finish in {NO_HTTP_TIMEOUT + duration:.0f} s") from None
     if done.returncode != 0:
-        raise RuntimeError(f"{NO_HTTP} exited with {done.returncode}: {done.stderr[-400:]!r}")
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise RuntimeError(f"{NO_HTTP} exited with {done.returncode}: {last}")
     return json.loads(done.stdout)
 
 
 async def no_http_loads(model: str, threads: int, n: int, max_tokens: int, loads: list[str], duration: float,
                         stagger: float) -> dict[str, dict]:
     """`ours` without its front end: the engine and the scheduler `serve` runs (Batcher, a compute
-    thread beside the event loop), the same prompts (the chat template), the users coroutines of
-    this process that count the pieces of text as the server would stream them. No HTTP, no JSON, no
-    client process: what is left is the ceiling of `ours`'s figures on this machine."""
+    thread beside the event loop) and the same prompts (the chat template); the users are coroutines
+    of this process, counting the pieces of text as the server would stream them. No HTTP, no JSON,
+    no client process: the gap between its figures and `ours`'s is what the front end costs."""
     from dllama.cli.common import open_runtime
     from dllama.generate import Generator
     from dllama.sampling import SamplingParams
@@ -271,7 +276,11 @@ def median_of(runs: list[dict]) -> dict:
 def main() -> None:
     if sys.argv[1:2] == ["--no-http-job"]:  # (no_http_side's process)
         sys.path.insert(0, ROOT)
-        print(json.dumps(asyncio.run(no_http_loads(**json.loads(sys.argv[2])))))
+        try:
+            print(json.dumps(asyncio.run(no_http_loads(**json.loads(sys.argv[2])))))
+        except Exception as e:  # the traceback for whoever debugs it, then the line no_http_side reports
+            traceback.print_exc()
+            raise SystemExit(f"error: {type(e).__name__}: {e}") from None
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
