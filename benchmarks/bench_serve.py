@@ -254,8 +254,7 @@ async def no_http_loads(model: str, threads: int, n: int, max_tokens: int, loads
         greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0)  # (the API's defaults, at temperature 0)
 
         async def ask(question: str, max_tokens: int, t0: float) -> dict:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-            prompt = tokenizer.encode(text, add_bos=False, special=True)  # (as ServerState.chat_prompt)
+            prompt = tokenizer.chat_ids([{"role": "user", "content": question}])  # (as ServerState.chat_prompt)
             start, chunks = time.perf_counter(), []
             gen = await generator.generate(prompt, greedy, max_tokens,
                                            on_text=lambda piece: piece and chunks.append(time.perf_counter()))

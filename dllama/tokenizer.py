@@ -114,6 +114,11 @@ class Tokenizer:
         except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception()
             raise ModelError(f"the model's chat template rejected the messages: {e}") from None
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of that prompt: its control tokens (<|im_start|>) parsed, no BOS added (a
+        template that wants one writes it)."""
+        return self.encode(self.apply_chat_template(messages), add_bos=False, special=True)
+
 
 class StreamDecoder:
     """Turns generated tokens into text as they come, never splitting a multi-byte UTF-8

@@ -93,7 +93,7 @@ async def _chat(system_prompt, max_tokens, opts):
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            ids = rt.tokenizer.encode(rt.tokenizer.apply_chat_template(messages), add_bos=False, special=True)
+            ids = rt.tokenizer.chat_ids(messages)
             gen = await generator.generate(ids, params, max_tokens, on_text=stdout_write)
             stdout_write("\n")
             if gen.error:

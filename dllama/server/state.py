@@ -173,10 +173,10 @@ class ServerState:
         if not tokenizer.has_chat_template:
             raise bad_request("This model has no chat template; use /v1/completions.", "messages", "no_chat_template")
         try:
-            text = tokenizer.apply_chat_template(messages)
+            ids = tokenizer.chat_ids(messages)
         except ModelError as e:  # the template refused them (roles out of order, ...)
             raise bad_request(f"{str(e)[0].upper()}{str(e)[1:]}.", "messages") from None
-        return self._checked(tokenizer.encode(text, add_bos=False, special=True), "messages")
+        return self._checked(ids, "messages")
 
     def completion_prompt(self, prompt) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list) else self.runtime.tokenizer.encode(prompt)
