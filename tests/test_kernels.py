@@ -19,7 +19,7 @@ from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, STARTS_BLOCK_BYTES, 
                                         Q8KActivations, pair_q8_ref, q8_starts_ref, round_f16)
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_in_lanes_ref, matmul_ref
-from dllama.kernels.packing import PACKABLE
+from dllama.kernels.packing import PACKABLE, span_blocks
 from dllama.kernels.ops import (exp_nonpositive_f64, expf, gelu_mul, gelu_mul_ref, gelu_table, rmsnorm, rmsnorm_ref,
                                 rope, rope_ref, silu_mul, silu_mul_ref, softcap)
 from dllama.kernels.simd_float import f32_bits, f32_from_bits, fma
@@ -803,6 +803,19 @@ def test_long_packed_rows_walked_span_by_span_give_the_same_bits(qtype):
     span by span, every strip's and tile's accumulators carried from span to span; from there whole
     rows per tile across the spans. The same bits as the file's layout, padded group or not."""
     _check_packed_rows(qtype, 6144, 3, (16, 35), (1, 2, 3, 4, SPANNED_TOKENS))
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_packed_rows_of_odd_and_even_block_counts_give_the_same_bits(qtype):
+    """Spans of 1, 2 and 9 blocks, and three spans of an odd count (63 blocks, 7 super-blocks):
+    a kernel that walks its blocks two at a time (simd.Span.loop_pairs) ends a span on a pair or
+    on a block alone, and carries its accumulators across spans either way."""
+    block = FORMATS[qtype].block_size
+    for blocks in (1, 2, 9):
+        _check_packed_rows(qtype, blocks * block, 1, (8, 13), (1, 2, 4, 8))
+    odd_span = 7 if qtype in K_QUANTS else 63
+    assert span_blocks(qtype, 3 * odd_span) == odd_span
+    _check_packed_rows(qtype, 3 * odd_span * block, 3, (16,), (1, 2, 4, 8))
 
 
 def test_q4_1_pairs_of_packed_rows_interleave_their_nibbles_where_the_kernels_read_them_so():

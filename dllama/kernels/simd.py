@@ -124,6 +124,25 @@ def hsum_float_8(builder, acc):
                         builder.extract_element(quarter, ir.Constant(I32, 1)))
 
 
+def hsum_float_8_rows(builder, accs: list):
+    """hsum_float_8 of 8 vectors at once: lane i of the result is accs[i]'s, by the same additions in
+    the same tree, in 7 adds and 14 shuffles of 8 lanes, not 8 x (3 adds and 4 shuffles)."""
+    assert len(accs) == 8
+    accs = [accs[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]  # (so that the lanes come out in order)
+
+    def pairwise(a, b, first, second):
+        return builder.fadd(builder.shuffle_vector(a, b, const_vec(I32, first)),
+                            builder.shuffle_vector(a, b, const_vec(I32, second)))
+
+    # a_i + a_(i+4) for i < 4, two vectors at a time: [a's 4 | b's 4]
+    halves_ = [pairwise(accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+               for k in range(0, 8, 2)]
+    # (s0 + s2, s1 + s3) of each: [a's 2, c's 2 | b's 2, d's 2]
+    quarters = [pairwise(halves_[k], halves_[k + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+                for k in (0, 2)]
+    return pairwise(quarters[0], quarters[1], [0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])
+
+
 # Two ways of summing lanes of <8 x i32> vectors pairwise, as shuffle masks (first, second) into the
 # concatenation of two vectors: lane k of the result is lane first[k] plus lane second[k]
 _HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # each vector's halves (cross-lane)
@@ -508,13 +527,49 @@ class Span:
             with cgutils.for_range(builder, self.per_span) as inner:
                 i = inner.index
                 block = builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
-                if self.prefetch is not None and self.prefetch_if is not None:
-                    with builder.if_then(self.prefetch_if):
-                        self._prefetch(builder, block, block_stride)
-                elif self.prefetch is not None:
-                    self._prefetch(builder, block, block_stride)
+                self._prefetch_past(builder, block, block_stride)
                 self.inner = i  # the block's index within its span (an emitter may look a block ahead)
                 yield builder.add(b0, i), block
+
+    def loop_pairs(self, builder, block_stride: int, emit_block, start_span=None) -> None:
+        """As `loop`, with the body written out for two blocks a trip (half the loop's own
+        instructions, and a body that knows which of the two it is): emit_block(b, block, k,
+        has_next) per block, k its place in the pair (0 or 1; a span's odd last block alone, as 0),
+        has_next whether the span has a block after it (a Python bool: the last pair is apart);
+        start_span(b0, span_at) before each span's first block (b0 its index in the row, span_at
+        its byte offset)."""
+        with cgutils.for_range_slice(builder, self.first, self.stop, ir.Constant(I64, 1)) as (s, _):
+            span_at = builder.mul(s, self.span_bytes)
+            b0 = builder.mul(s, self.per_span)
+            if start_span is not None:
+                start_span(b0, span_at)
+            one, two = ir.Constant(I64, 1), ir.Constant(I64, 2)
+
+            def one_block(i, k, has_next):
+                block = builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
+                self._prefetch_past(builder, block, block_stride)
+                emit_block(builder.add(b0, i), block, k, has_next)
+
+            # the pairs whose second block has one after it, then the span's last pair or last block
+            with cgutils.for_range(builder, builder.udiv(builder.sub(self.per_span, one), two)) as pair:
+                i = builder.mul(pair.index, two)
+                one_block(i, 0, True)
+                one_block(builder.add(i, one), 1, True)
+            last = builder.sub(self.per_span, one)
+            with builder.if_else(builder.icmp_unsigned("==", builder.urem(self.per_span, two), _ZERO)) as (even, odd):
+                with even:
+                    one_block(builder.sub(last, one), 0, True)
+                    one_block(last, 1, False)
+                with odd:
+                    one_block(last, 0, False)
+
+    def _prefetch_past(self, builder, block, block_stride: int) -> None:
+        """The prefetch of a block, where the span asks for one (always, or where prefetch_if holds)."""
+        if self.prefetch is not None and self.prefetch_if is not None:
+            with builder.if_then(self.prefetch_if):
+                self._prefetch(builder, block, block_stride)
+        elif self.prefetch is not None:
+            self._prefetch(builder, block, block_stride)
 
     def _prefetch(self, builder, block, block_stride: int) -> None:
         """Ask for each cache line of the block_stride bytes PREFETCH_AHEAD past `block`."""
