@@ -746,17 +746,42 @@ def test_formats_llama_cpp_repacks_sum_in_its_repacked_kernels_order(qtype):
 
 
 class _NumpyBuilder:
-    """The two IR operations LaneSums emits, on numpy vectors."""
+    """The IR operations LaneSums and the float lane sums emit, on numpy vectors (float32's adds
+    round as LLVM's fadd)."""
 
     @staticmethod
     def _values(v):
-        return v if isinstance(v, np.ndarray) else np.array([getattr(c, "constant", c) for c in v.constant], np.int64)
+        if isinstance(v, (np.ndarray, np.generic)):
+            return v
+        return np.array([getattr(c, "constant", c) for c in v.constant], np.int64)
 
     def add(self, a, b):
         return self._values(a) + self._values(b)
 
+    fadd = add
+
     def shuffle_vector(self, a, b, mask):
         return np.concatenate([self._values(a), self._values(b)])[self._values(mask)]
+
+    def extract_element(self, v, index):
+        return v[index.constant]
+
+
+def test_eight_rows_lane_sums_are_each_rows_hsum_float_8_bit_for_bit():
+    """simd.hsum_float_8_rows (the Q4_1 and Q8_0 tiles' last sums on AVX-512, not run on an AVX2
+    CPU): lane i is hsum_float_8 of vector i, the same additions in the same order, for values of
+    mixed magnitudes (where another order rounds otherwise)."""
+    from dllama.kernels.simd import hsum_float_8, hsum_float_8_rows
+
+    rng = np.random.default_rng(7)
+    builder, other_order = _NumpyBuilder(), 0
+    for _ in range(200):
+        accs = [(rng.standard_normal(8) * 10.0 ** rng.integers(-4, 5, 8)).astype(np.float32) for _ in range(8)]
+        got = hsum_float_8_rows(builder, accs)
+        expected = np.array([hsum_float_8(builder, acc) for acc in accs], np.float32)
+        np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
+        other_order += sum(np.float32(sum(acc[1:], acc[0])) != e for acc, e in zip(accs, expected))
+    assert other_order > 0, "the values never told the orders apart"
 
 
 @pytest.mark.parametrize("rows, tokens, two_rows_a_vector", [
