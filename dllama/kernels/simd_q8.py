@@ -391,7 +391,7 @@ def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_ro
     Two blocks a trip of the loop (Span.loop_pairs: the scratch's halves known, no branch for a
     span's first block, no select past its last) and the 8 rows' final sums as one tree
     (hsum_float_8_rows): 8 x 2 tiles 1.07-1.09x at 8 tokens (3072 x 576 and 576 x 1536, 1 core,
-    Zen 4, interleaved processes; about 80 -> 60 cycles a tile beside its 18 blocks' ~22 each),
+    Zen 4, interleaved processes; about 80 -> 50 cycles a tile beside its blocks' ~22 each),
     16 tokens 1.06-1.09x, one token's strips level."""
     assert fmt == "q4_1", "unsigned 4-bit quants with a min (Q4_1's)"
     tokens = range(len(x_rows))
