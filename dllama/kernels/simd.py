@@ -537,13 +537,14 @@ class Span:
         has_next) per block, k its place in the pair (0 or 1; a span's odd last block alone, as 0),
         has_next whether the span has a block after it (a Python bool: the last pair is apart);
         start_span(b0, span_at) before each span's first block (b0 its index in the row, span_at
-        its byte offset)."""
-        with cgutils.for_range_slice(builder, self.first, self.stop, ir.Constant(I64, 1)) as (s, _):
+        its byte offset). Spans of no blocks run nothing (packed rows have none: no spans)."""
+        one, two = ir.Constant(I64, 1), ir.Constant(I64, 2)
+        stop = builder.select(builder.icmp_unsigned("==", self.per_span, _ZERO), self.first, self.stop)
+        with cgutils.for_range_slice(builder, self.first, stop, one) as (s, _):
             span_at = builder.mul(s, self.span_bytes)
             b0 = builder.mul(s, self.per_span)
             if start_span is not None:
                 start_span(b0, span_at)
-            one, two = ir.Constant(I64, 1), ir.Constant(I64, 2)
 
             def one_block(i, k, has_next):
                 block = builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
