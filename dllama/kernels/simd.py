@@ -528,7 +528,6 @@ class Span:
                 i = inner.index
                 block = builder.add(span_at, builder.mul(i, ir.Constant(I64, block_stride)))
                 self._prefetch_past(builder, block, block_stride)
-                self.inner = i  # the block's index within its span (an emitter may look a block ahead)
                 yield builder.add(b0, i), block
 
     def loop_pairs(self, builder, block_stride: int, emit_block, start_span=None) -> None:

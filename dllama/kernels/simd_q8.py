@@ -210,16 +210,13 @@ def _emit_row_dots(builder, fmt: str, acc_t: ir.Type, rows, x_rows, span, block_
     if in_lanes is not None:
         return in_lanes.totals(builder, len(rows), len(x_rows))
     totals = [[None] * len(x_rows) for _ in rows]
-    if row_pairs and len(rows) == 8:  # every row's hsum_float_8 at once, token by token (the output matrix 1.035x)
+    if row_pairs:  # every row's hsum_float_8 at once, token by token (the output matrix 1.035x)
+        assert len(rows) == 8, "Q8_0's row pairs come in tiles of 8 rows (_Q8_0_PACKING)"
         for j in range(len(x_rows)):
             accs = [h for p in range(4) for h in halves(builder, builder.load(acc_slots[p, j]))]
             sums = hsum_float_8_rows(builder, accs)
             for i in range(8):
                 totals[i][j] = builder.extract_element(sums, ir.Constant(I32, i))
-        return totals
-    if row_pairs:
-        for (p, j), slot in acc_slots.items():
-            totals[2 * p][j], totals[2 * p + 1][j] = (hsum_float_8(builder, h) for h in halves(builder, builder.load(slot)))
         return totals
     for i, j in pairs:
         total = hsum_float_8(builder, builder.load(acc_slots[i, j]))
