@@ -307,8 +307,9 @@ def main() -> None:
         subprocess.run(["sh", os.path.join(HERE, "build_llama_server.sh")], check=True)
     clients = [int(c) for c in args.clients.split(",")]
     runs: dict[tuple[str, str, int], list[dict]] = {}
+    by_round: dict[tuple[str, str, int], dict[int, dict]] = {}
     failures: dict[tuple[str, int], str] = {}
-    for _ in range(args.rounds):  # interleaved: a shared machine's slow spells hit every server alike
+    for round_ in range(args.rounds):  # interleaved: a shared machine's slow spells hit every server alike
         for n in clients:
             for kind in servers:
                 try:
@@ -320,6 +321,7 @@ def main() -> None:
                     continue
                 for load, run in figures.items():
                     runs.setdefault((load, kind, n), []).append(run)
+                    by_round.setdefault((load, kind, n), {})[round_] = run
                     print(f"  {kind} x{n} {load}: {run}", file=sys.stderr)
     figures = {key: median_of(value) for key, value in runs.items()}
     if args.json:
@@ -348,8 +350,12 @@ def main() -> None:
         for kind in servers:
             if (load, kind, 1) in figures and (load, kind, 8) in figures:
                 one, eight = figures[(load, kind, 1)], figures[(load, kind, 8)]
+                # each round's own ratio too: its 1- and 8-client runs are minutes apart, not rounds apart
+                ones, eights = by_round[(load, kind, 1)], by_round[(load, kind, 8)]
+                each = ", ".join(f"{eights[r]['aggregate_tps'] / ones[r]['aggregate_tps']:.2f}x"
+                                 for r in sorted(ones.keys() & eights.keys()))
                 print(f"{load}, {kind}: aggregate at 8 clients / 1 client = "
-                      f"{eight['aggregate_tps'] / one['aggregate_tps']:.2f}x; "
+                      f"{eight['aggregate_tps'] / one['aggregate_tps']:.2f}x (rounds: {each}); "
                       f"TTFT p95 at 8 / at 1 = {eight['ttft_p95_ms'] / one['ttft_p95_ms']:.2f}x")
 
 

@@ -389,7 +389,14 @@ def _emit_interleaved_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_ro
     span's first block, no select past its last) and the 8 rows' final sums as one tree
     (hsum_float_8_rows): 8 x 2 tiles 1.07-1.09x at 8 tokens (3072 x 576 and 576 x 1536, 1 core,
     Zen 4, interleaved processes; about 80 -> 50 cycles a tile beside its blocks' ~22 each),
-    16 tokens 1.06-1.09x, one token's strips level."""
+    16 tokens 1.06-1.09x, one token's strips level.
+    Zen 4 runs vpdpbusd and vfmadd231ps on the same two pipes (ymm: two a cycle of either, not of
+    each; zmm: one), so a block's 16 (row, token) dots take 16 cycles at least (18 in a C loop of
+    only the dots, conversions and multiply-adds), against the ~22 above. Two rows a 512-bit
+    register (their quads interleaved at load, the scales broadcast as pairs from the scratch:
+    about 70 instructions a block instead of ~100, the same bits) was slower, 0.43 -> 0.58 ns per
+    (row, token, block) on SmolLM2's 3072 x 576 at 8 tokens (1 core), and 0.43 even without its
+    shifts, permutes and scale loads: not kept."""
     assert fmt == "q4_1", "unsigned 4-bit quants with a min (Q4_1's)"
     tokens = range(len(x_rows))
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
