@@ -306,8 +306,7 @@ def main() -> None:
     if "llama-server" in servers:  # built once (the script returns at once after that)
         subprocess.run(["sh", os.path.join(HERE, "build_llama_server.sh")], check=True)
     clients = [int(c) for c in args.clients.split(",")]
-    runs: dict[tuple[str, str, int], list[dict]] = {}
-    by_round: dict[tuple[str, str, int], dict[int, dict]] = {}
+    by_round: dict[tuple[str, str, int], dict[int, dict]] = {}  # (load, server, clients) -> round -> figures
     failures: dict[tuple[str, int], str] = {}
     for round_ in range(args.rounds):  # interleaved: a shared machine's slow spells hit every server alike
         for n in clients:
@@ -320,10 +319,9 @@ def main() -> None:
                     print(f"  {kind} x{n}: failed: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 for load, run in figures.items():
-                    runs.setdefault((load, kind, n), []).append(run)
                     by_round.setdefault((load, kind, n), {})[round_] = run
                     print(f"  {kind} x{n} {load}: {run}", file=sys.stderr)
-    figures = {key: median_of(value) for key, value in runs.items()}
+    figures = {key: median_of(list(value.values())) for key, value in by_round.items()}
     if args.json:
         print(json.dumps({f"{load}:{k}x{n}": v for (load, k, n), v in figures.items()}, indent=1))
         return
