@@ -19,6 +19,7 @@ from . import CACHE
 from .activations import round_f16
 from .matmul import f16_tail
 from .ops import expf
+from .sharing import ranges, take
 from .simd_float import (F16_STRIP_ROWS, GROUP_QUERIES, f16_at, f16_bits, f16_round, hsum8, key_f16_f32, keys_f16_f32,
                           value_f16_f32, values_f16_f32)
 
@@ -271,43 +272,48 @@ def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, la
     all_queries = np.empty((jobs, GROUP_QUERIES, D), np.float32)  # the queries' f16 values
     all_query16 = np.empty((jobs, GROUP_QUERIES, D), np.uint16)  # ... and bits (f16_tail's)
     all_results = np.empty((jobs, GROUP_QUERIES, D), np.float32)
-    for job in prange(jobs):
-        b, first = job // chunks, job % chunks * per_job
-        h0, g = blocks[b, 0], blocks[b, 1]
-        weights, probs = all_weights[job], all_probs[job]
-        queries, query16, result = all_queries[job], all_query16[job], all_results[job]
-        for t in range(first, min(T, first + per_job)):
-            keys_at, values_at, n, lo, n_pad, n_ctx = _span(t, h0, sequence, starts, offsets, ctx, k_base, v_base,
-                                                            kv_of_head, layer, Hkv, D, window)
-            keys = _f16_rows_at(keys_at, n_ctx, D)  # (positions, D)
-            values = _f16_rows_at(values_at, n_ctx // V_TILE * D, V_TILE)  # (tiles x D, V_TILE)
-            for j in range(g):
-                h = h0 + j
-                if main == D:  # (a loop LLVM vectorizes: one conversion for 16 values)
-                    for i in range(D):
-                        queries[j, i] = f16_round(q[t, h * D + i])
-                else:  # f16_tail reads the bits
-                    for i in range(D):
-                        query16[j, i] = f16_bits(q[t, h * D + i])
-                        queries[j, i] = f16_at(query16, j * D + i)
-                weights[j, :n_pad] = 0.0
-            _key_dots(keys, lo, n, queries, g, main, weights)
-            for j in range(g):
-                scores, rounded = weights[j, lo:n], probs[j, lo:n]  # (views: see _softmax_row)
-                if main == D:
-                    for s in range(scores.shape[0]):
-                        scores[s] = scores[s] * scale
-                else:
-                    for s in range(scores.shape[0]):
-                        scores[s] = f16_tail(scores[s], keys, (lo + s) * D, query16, j * D, main, D) * scale
-                _softmax_row(weights[j], lo, n)
-                probs[j, :n_pad] = 0.0
-                for s in range(rounded.shape[0]):
-                    rounded[s] = f16_round(scores[s])
-            _value_dots(values, D, probs, g, n_pad, result)  # n_pad: a multiple of 32
-            for j in range(g):
-                for d in range(D):
-                    out[t, h0 + j, d] = result[j, d]
+    shares = ranges(jobs, threads)  # (jobs shared by work stealing: sharing.py)
+    for part in prange(threads):
+        first_job, stop_job = take(shares, part, threads, 1)
+        while first_job < stop_job:
+            for job in range(first_job, stop_job):
+                b, first = job // chunks, job % chunks * per_job
+                h0, g = blocks[b, 0], blocks[b, 1]
+                weights, probs = all_weights[job], all_probs[job]
+                queries, query16, result = all_queries[job], all_query16[job], all_results[job]
+                for t in range(first, min(T, first + per_job)):
+                    keys_at, values_at, n, lo, n_pad, n_ctx = _span(t, h0, sequence, starts, offsets, ctx, k_base,
+                                                                    v_base, kv_of_head, layer, Hkv, D, window)
+                    keys = _f16_rows_at(keys_at, n_ctx, D)  # (positions, D)
+                    values = _f16_rows_at(values_at, n_ctx // V_TILE * D, V_TILE)  # (tiles x D, V_TILE)
+                    for j in range(g):
+                        h = h0 + j
+                        if main == D:  # (a loop LLVM vectorizes: one conversion for 16 values)
+                            for i in range(D):
+                                queries[j, i] = f16_round(q[t, h * D + i])
+                        else:  # f16_tail reads the bits
+                            for i in range(D):
+                                query16[j, i] = f16_bits(q[t, h * D + i])
+                                queries[j, i] = f16_at(query16, j * D + i)
+                        weights[j, :n_pad] = 0.0
+                    _key_dots(keys, lo, n, queries, g, main, weights)
+                    for j in range(g):
+                        scores, rounded = weights[j, lo:n], probs[j, lo:n]  # (views: see _softmax_row)
+                        if main == D:
+                            for s in range(scores.shape[0]):
+                                scores[s] = scores[s] * scale
+                        else:
+                            for s in range(scores.shape[0]):
+                                scores[s] = f16_tail(scores[s], keys, (lo + s) * D, query16, j * D, main, D) * scale
+                        _softmax_row(weights[j], lo, n)
+                        probs[j, :n_pad] = 0.0
+                        for s in range(rounded.shape[0]):
+                            rounded[s] = f16_round(scores[s])
+                    _value_dots(values, D, probs, g, n_pad, result)  # n_pad: a multiple of 32
+                    for j in range(g):
+                        for d in range(D):
+                            out[t, h0 + j, d] = result[j, d]
+            first_job, stop_job = take(shares, part, threads, 1)
 
 
 def _address(a: np.ndarray) -> int:

@@ -16,7 +16,7 @@ import functools
 from fractions import Fraction
 
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
 from . import CACHE
@@ -24,6 +24,7 @@ from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at,
                           strip_f16_f32, tile_f16_f32)
 from .packing import PackedRows, rows_per_group
+from .sharing import PARTS, ranges, take
 from .simd import CARRIED_PER_ROW
 from .simd_q8 import (PACKED, PACKED_TAIL, PACKED_TAIL_TILE, PACKED_TILE, PAIR_BIAS, PAIRED_TILES, STARTS_TILES,
                       TAILED, TILE_ROWS, TILE_TOKENS, dot_iq4_nl_q8, dot_iq4_nl_q8_wide, dot_q4_0_q8, dot_q4_0_q8_wide,
@@ -182,6 +183,17 @@ def _tail_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
         _tile_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col)
 
 
+# A thread takes this many weight bytes x tokens of groups at a time from its share (sharing.py):
+# a claim's compare-exchange is then well under 1% of the work, and a share's last claim short
+# (SmolLM2's 3072 x 576 Q4_1: 11 groups a claim for 1 token, 1 for 8)
+_CLAIM_WORK = 1 << 15
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _groups_a_claim(wp, T):
+    return max(1, _CLAIM_WORK // max(1, wp.shape[0] * wp.shape[2] * T))
+
+
 @njit(inline="always", nogil=True, cache=CACHE)
 def _tail_end(T, tiled, tail_tokens):
     """Where the tail tiles of tail_tokens, after `tiled` tokens of whole tiles, end (tail_tokens 0:
@@ -190,42 +202,57 @@ def _tail_end(T, tiled, tail_tokens):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xt, xd,
-                     xs, out):
+def _padded_group(strip, wp, fmt, g, rows, n, xq, xd, xs, out):
+    """The rows of the last group g, fewer than n (padded), one strip per token through a scratch row."""
+    T = xq.shape[0]
+    col = g * n
+    edge = np.empty((T, n), out.dtype)
+    for t in range(T):
+        strip(wp, fmt, g, xq, xd, xs, t, edge, 0)
+    for t in range(T):
+        for i in range(rows - col):
+            out[t, col + i] = edge[t, i]
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq,
+                     xt, xd, xs, out):
     """Over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the format's
     PACKED_TILE), then tail tiles of tail_rows x tail_tokens (its tail: a narrower tile, or the
     same, which takes no tokens), then one strip (the group's rows x 1 token) per token left; the
     padded last group through a scratch row. The tiles read the activations' values from xt (xq,
-    or the layout the format's tiles read: simd_q8.PAIRED_TILES, STARTS_TILES)."""
+    or the layout the format's tiles read: simd_q8.PAIRED_TILES, STARTS_TILES). The threads share
+    the groups by work stealing (sharing.py): a core that runs slow for a while does fewer."""
     T = xq.shape[0]
     whole = rows // n
     tiled_tokens = T - T % tile_tokens
     tailed = _tail_end(T, tiled_tokens, tail_tokens)
-    for g in prange(wp.shape[1]):
-        col = g * n
-        if g < whole:
-            for t in range(0, tiled_tokens, tile_tokens):
-                for i0 in range(0, n, tile_rows):
-                    tile(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
-            for t in range(tiled_tokens, tailed, tail_tokens):
-                for i0 in range(0, n, tail_rows):
-                    tail(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
-            for t in range(tailed, T):
-                strip(wp, fmt, g, xq, xd, xs, t, out, col)
-        else:
-            edge = np.empty((T, n), np.float32)
-            for t in range(T):
-                strip(wp, fmt, g, xq, xd, xs, t, edge, 0)
-            for t in range(T):
-                for i in range(rows - col):
-                    out[t, col + i] = edge[t, i]
+    shares = ranges(wp.shape[1], parts)
+    chunk = _groups_a_claim(wp, T)
+    for p in prange(parts):
+        start, stop = take(shares, p, parts, chunk)
+        while start < stop:
+            for g in range(start, stop):
+                col = g * n
+                if g < whole:
+                    for t in range(0, tiled_tokens, tile_tokens):
+                        for i0 in range(0, n, tile_rows):
+                            tile(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
+                    for t in range(tiled_tokens, tailed, tail_tokens):
+                        for i0 in range(0, n, tail_rows):
+                            tail(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
+                    for t in range(tailed, T):
+                        strip(wp, fmt, g, xq, xd, xs, t, out, col)
+                else:
+                    _padded_group(strip, wp, fmt, g, rows, n, xq, xd, xs, out)
+            start, stop = take(shares, p, parts, chunk)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xt, xd, xs, out):
+def _mm_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xt, xd, xs, out):
     """_mm_quant over packed rows."""
     _packed_products(_strip, _tile_packed, _tail_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
-                     fmt, xq, xt, xd, xs, out)
+                     parts, fmt, xq, xt, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -290,8 +317,9 @@ def _tail_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
 def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
                       parts, fmt, xq, xt, xd, xs, out):
     """A few tokens over packed rows of several spans (packing.py): each of `parts` threads walks its
-    groups span by span, so that a span of activations stays in L1 while the groups' spans of weights
-    stream past as one sequential read; within a span, tiles of tile_rows x tile_tokens (tile_tokens
+    groups (runs of them, shared as sharing.py shares them) span by span, so that a span of
+    activations stays in L1 while the groups' spans of weights stream past as one sequential read;
+    within a span, tiles of tile_rows x tile_tokens (tile_tokens
     0: none) and a strip per token left, every one's accumulators carried in its own slot from span
     to span: the bits of whole rows. The tiles (and tail tiles, as _packed_products') read xt."""
     n_spans, n_groups = wp.shape[0], wp.shape[1]
@@ -308,25 +336,31 @@ def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, 
     carry = np.empty((n_groups * per_group, CARRIED_PER_ROW * n * max(tile_tokens, 1)), out.dtype)
     edge = np.empty((T, n), out.dtype)  # the padded last group's rows
     parts = min(n_groups, parts)
+    shares = ranges(n_groups, parts)
+    # (runs of groups long enough for a sequential read of each span: an eighth of a part's share)
+    chunk = max(_groups_a_claim(wp, T), n_groups // (8 * parts))
     for p in prange(parts):
-        for s in range(n_spans):
-            for g in range(p * n_groups // parts, (p + 1) * n_groups // parts):
-                slot = g * per_group
-                if g < whole:
-                    for t in range(0, tiled, max(tile_tokens, 1)):
-                        for i0 in range(0, n, tile_rows):
-                            tile_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
+        start, stop = take(shares, p, parts, chunk)
+        while start < stop:
+            for s in range(n_spans):
+                for g in range(start, stop):
+                    slot = g * per_group
+                    if g < whole:
+                        for t in range(0, tiled, max(tile_tokens, 1)):
+                            for i0 in range(0, n, tile_rows):
+                                tile_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
+                                slot += 1
+                        for t in range(tiled, tailed, max(tail_tokens, 1)):
+                            for i0 in range(0, n, tail_rows):
+                                tail_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
+                                slot += 1
+                        for t in range(tailed, T):
+                            strip_span(wp, fmt, g, 0, xq, xd, xs, t, out, g * n, s, carry, slot)
                             slot += 1
-                    for t in range(tiled, tailed, max(tail_tokens, 1)):
-                        for i0 in range(0, n, tail_rows):
-                            tail_span(wp, fmt, g, i0, xt, xd, xs, t, out, g * n + i0, s, carry, slot)
-                            slot += 1
-                    for t in range(tailed, T):
-                        strip_span(wp, fmt, g, 0, xq, xd, xs, t, out, g * n, s, carry, slot)
-                        slot += 1
-                else:
-                    for t in range(T):
-                        strip_span(wp, fmt, g, 0, xq, xd, xs, t, edge, 0, s, carry, slot + t)
+                    else:
+                        for t in range(T):
+                            strip_span(wp, fmt, g, 0, xq, xd, xs, t, edge, 0, s, carry, slot + t)
+            start, stop = take(shares, p, parts, chunk)
     for t in range(T):
         for i in range(rows - whole * n):
             out[t, whole * n + i] = edge[t, i]
@@ -346,27 +380,28 @@ def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _packed_products_wide(strip_wide, wp, rows, n, fmt, xq, xd, xs, out):
+def _packed_products_wide(strip_wide, wp, rows, n, parts, fmt, xq, xd, xs, out):
     """_packed_products accumulated in float64 (out float64), one strip per token."""
     T = xq.shape[0]
     whole = rows // n
-    for g in prange(wp.shape[1]):
-        col = g * n
-        if g < whole:
-            for t in range(T):
-                strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
-        else:
-            edge = np.empty((T, n), np.float64)
-            for t in range(T):
-                strip_wide(wp, fmt, g, xq, xd, xs, t, edge, 0)
-            for t in range(T):
-                for i in range(rows - col):
-                    out[t, col + i] = edge[t, i]
+    shares = ranges(wp.shape[1], parts)
+    chunk = _groups_a_claim(wp, T)
+    for p in prange(parts):
+        start, stop = take(shares, p, parts, chunk)
+        while start < stop:
+            for g in range(start, stop):
+                col = g * n
+                if g < whole:
+                    for t in range(T):
+                        strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
+                else:
+                    _padded_group(strip_wide, wp, fmt, g, rows, n, xq, xd, xs, out)
+            start, stop = take(shares, p, parts, chunk)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_packed_wide(wp, rows, n, fmt, xq, xd, xs, out):
-    _packed_products_wide(_strip_wide, wp, rows, n, fmt, xq, xd, xs, out)
+def _mm_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _packed_products_wide(_strip_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -443,10 +478,10 @@ def _tail_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, fmt, xq, xd, xs, out):
+def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xd, xs, out):
     """_mm_k_quant over packed rows."""
     _packed_products(_strip_k, _tile_k_packed, _tail_k_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows,
-                     tail_tokens, fmt, xq, xq, xd, xs, out)
+                     tail_tokens, parts, fmt, xq, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -501,8 +536,8 @@ def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_k_packed_wide(wp, rows, n, fmt, xq, xd, xs, out):
-    _packed_products_wide(_strip_k_wide, wp, rows, n, fmt, xq, xd, xs, out)
+def _mm_k_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
+    _packed_products_wide(_strip_k_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
 
 
 @njit(nogil=True, cache=CACHE)
@@ -661,22 +696,14 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
         acts = (a.q, a.d, a.sums) if k_quant else (a.q, a.d, a.ds)
         spanned = w.groups.shape[0] > 1 and x.tokens < SPANNED_TOKENS  # long rows, span by span
         if wide:  # float64 strips only
-            if spanned:
-                (_mm_k_packed_spans_wide if k_quant else _mm_packed_spans_wide)(
-                    w.groups, w.rows, n, get_num_threads(), kernel, *acts, out)
-            else:
-                (_mm_k_packed_wide if k_quant else _mm_packed_wide)(w.groups, w.rows, n, kernel, *acts, out)
+            (((_mm_k_packed_spans_wide if k_quant else _mm_packed_spans_wide) if spanned else
+              (_mm_k_packed_wide if k_quant else _mm_packed_wide))(w.groups, w.rows, n, PARTS, kernel, *acts, out))
         elif k_quant:
-            if spanned:
-                _mm_k_packed_spans(w.groups, w.rows, n, *tile, get_num_threads(), kernel, *acts, out)
-            else:
-                _mm_k_packed(w.groups, w.rows, n, *tile, kernel, *acts, out)
+            (_mm_k_packed_spans if spanned else _mm_k_packed)(w.groups, w.rows, n, *tile, PARTS, kernel, *acts, out)
         else:
             xt = a.q if xt is None else xt
-            if spanned:
-                _mm_packed_spans(w.groups, w.rows, n, *tile, get_num_threads(), kernel, a.q, xt, a.d, a.ds, out)
-            else:
-                _mm_packed(w.groups, w.rows, n, *tile, kernel, a.q, xt, a.d, a.ds, out)
+            (_mm_packed_spans if spanned else _mm_packed)(w.groups, w.rows, n, *tile, PARTS, kernel, a.q, xt, a.d,
+                                                          a.ds, out)
         return out
     if qtype in _QUANT_KERNEL:
         a = x.q8
