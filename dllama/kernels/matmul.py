@@ -319,9 +319,9 @@ def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, 
     """A few tokens over packed rows of several spans (packing.py): each of `parts` threads walks its
     groups (runs of them, shared as sharing.py shares them) span by span, so that a span of
     activations stays in L1 while the groups' spans of weights stream past as one sequential read;
-    within a span, tiles of tile_rows x tile_tokens (tile_tokens
-    0: none) and a strip per token left, every one's accumulators carried in its own slot from span
-    to span: the bits of whole rows. The tiles (and tail tiles, as _packed_products') read xt."""
+    within a span, tiles of tile_rows x tile_tokens (tile_tokens 0: none) and a strip per token
+    left, every one's accumulators carried in its own slot from span to span: the bits of whole
+    rows. The tiles (and tail tiles, as _packed_products') read xt."""
     n_spans, n_groups = wp.shape[0], wp.shape[1]
     T = xq.shape[0]
     whole = rows // n
@@ -338,7 +338,7 @@ def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, 
     parts = min(n_groups, parts)
     shares = ranges(n_groups, parts)
     # (runs of groups long enough for a sequential read of each span: an eighth of a part's share)
-    chunk = max(_groups_a_claim(wp, T), n_groups // (8 * parts))
+    chunk = max(_groups_a_claim(wp, T), n_groups // (8 * max(parts, 1)))
     for p in prange(parts):
         start, stop = take(shares, p, parts, chunk)
         while start < stop:
