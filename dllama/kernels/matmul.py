@@ -218,14 +218,15 @@ def _padded_group(strip, wp, fmt, g, rows, n, xq, xd, xs, out):
 def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq,
                      xt, xd, xs, out):
     """Over rows packed by n: per group of n rows, tiles of tile_rows x tile_tokens (the format's
-    PACKED_TILE), then tail tiles of tail_rows x tail_tokens (its tail: a narrower tile, or the
-    same, which takes no tokens), then one strip (the group's rows x 1 token) per token left; the
-    padded last group through a scratch row. The tiles read the activations' values from xt (xq,
-    or the layout the format's tiles read: simd_q8.PAIRED_TILES, STARTS_TILES). The threads share
-    the groups by work stealing (sharing.py): a core that runs slow for a while does fewer."""
+    PACKED_TILE; tile_tokens 0: none, as float64 products take them), then tail tiles of tail_rows x
+    tail_tokens (its tail: a narrower tile, or the same, which takes no tokens; 0: none), then one
+    strip (the group's rows x 1 token) per token left; the padded last group through a scratch row.
+    The tiles read the activations' values from xt (xq, or the layout the format's tiles read:
+    simd_q8.PAIRED_TILES, STARTS_TILES). The threads share the groups by work stealing
+    (sharing.py): a core that runs slow for a while does fewer."""
     T = xq.shape[0]
     whole = rows // n
-    tiled_tokens = T - T % tile_tokens
+    tiled_tokens = T - T % tile_tokens if tile_tokens else 0
     tailed = _tail_end(T, tiled_tokens, tail_tokens)
     shares = ranges(wp.shape[1], parts)
     chunk = _groups_a_claim(wp, T)
@@ -235,10 +236,10 @@ def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tai
             for g in range(start, stop):
                 col = g * n
                 if g < whole:
-                    for t in range(0, tiled_tokens, tile_tokens):
+                    for t in range(0, tiled_tokens, max(tile_tokens, 1)):
                         for i0 in range(0, n, tile_rows):
                             tile(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
-                    for t in range(tiled_tokens, tailed, tail_tokens):
+                    for t in range(tiled_tokens, tailed, max(tail_tokens, 1)):
                         for i0 in range(0, n, tail_rows):
                             tail(wp, fmt, g, i0, xt, xd, xs, t, out, col + i0)
                     for t in range(tailed, T):
@@ -379,29 +380,10 @@ def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
                       out)
 
 
-@njit(inline="always", nogil=True, cache=CACHE)
-def _packed_products_wide(strip_wide, wp, rows, n, parts, fmt, xq, xd, xs, out):
-    """_packed_products accumulated in float64 (out float64), one strip per token."""
-    T = xq.shape[0]
-    whole = rows // n
-    shares = ranges(wp.shape[1], parts)
-    chunk = _groups_a_claim(wp, T)
-    for p in prange(parts):
-        start, stop = take(shares, p, parts, chunk)
-        while start < stop:
-            for g in range(start, stop):
-                col = g * n
-                if g < whole:
-                    for t in range(T):
-                        strip_wide(wp, fmt, g, xq, xd, xs, t, out, col)
-                else:
-                    _padded_group(strip_wide, wp, fmt, g, rows, n, xq, xd, xs, out)
-            start, stop = take(shares, p, parts, chunk)
-
-
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
-    _packed_products_wide(_strip_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
+    """Float64 strips only (no tiles: tile_tokens 0)."""
+    _packed_products(_strip_wide, _tile_packed, _tile_packed, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd, xs, out)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -537,7 +519,9 @@ def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _mm_k_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
-    _packed_products_wide(_strip_k_wide, wp, rows, n, parts, fmt, xq, xd, xs, out)
+    """Float64 strips only (no tiles: tile_tokens 0)."""
+    _packed_products(_strip_k_wide, _tile_k_packed, _tile_k_packed, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd,
+                     xs, out)
 
 
 @njit(nogil=True, cache=CACHE)
