@@ -312,15 +312,15 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
             if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append(concat(builder, low, high) if halves_512 else (low, high))
+        d_tokens = [builder.load(builder.gep(xd_ptr, [b])) for _, xd_ptr, _ in x_rows]
         if scales_in_memory:  # every token's pair scales, before the dots load them
             d_w_pairs = builder.shuffle_vector(d_w, d_w, const_vec(I32, [r for p in range(n_pairs)
                                                                           for r in [2 * p] * 4 + [2 * p + 1] * 4]))
-            for j, (_, xd_ptr, _) in enumerate(x_rows):
-                d_x = builder.load(builder.gep(xd_ptr, [b]))
+            for j, d_x in enumerate(d_tokens):
                 builder.store(builder.fmul(d_w_pairs, splat(builder, d_x, 8 * n_pairs)),
                               builder.gep(scratch, [ir.Constant(I64, j)]))
-        block_dots, d_tokens = {}, []
-        for j, (xq_ptr, xd_ptr, xds_ptr) in enumerate(x_rows):
+        block_dots = {}
+        for j, (xq_ptr, _, xds_ptr) in enumerate(x_rows):
             starts = (None, None)
             if paired:
                 at = builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))
@@ -337,7 +337,6 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                     start = _bias_start(builder, fmt, xq)
                     starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
                               for h in (0, 1)]
-            d_tokens.append(builder.load(builder.gep(xd_ptr, [b])))
             if in_lanes is not None:  # the two halves' dots added: each row's whole block dot in its 4 lanes
                 for p, pair in enumerate(nibbles):
                     low, high = (quad_dot(builder, quants, x_half, w_unsigned=biased, acc=start)
