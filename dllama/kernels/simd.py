@@ -129,18 +129,30 @@ def hsum_float_8_rows(builder, accs: list):
     the same tree, in 7 adds and 14 shuffles of 8 lanes, not 8 x (3 adds and 4 shuffles)."""
     assert len(accs) == 8
     accs = [accs[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]  # (so that the lanes come out in order)
-
-    def pairwise(a, b, first, second):
-        return builder.fadd(builder.shuffle_vector(a, b, const_vec(I32, first)),
-                            builder.shuffle_vector(a, b, const_vec(I32, second)))
-
     # a_i + a_(i+4) for i < 4, two vectors at a time: [a's 4 | b's 4]
-    halves_ = [pairwise(accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
-               for k in range(0, 8, 2)]
+    return _hsum_from_halves(builder, [_pairwise(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11],
+                                                 [4, 5, 6, 7, 12, 13, 14, 15]) for k in range(0, 8, 2)])
+
+
+def hsum_float_8_halved(builder, halved: list):
+    """hsum_float_8 of 8 rows whose first additions are made: halved[k] holds row k's a_i + a_(i+4)
+    (i < 4) in lanes 0-3 and row k+4's in lanes 4-7 -> lane i of the result is row i's total, by
+    hsum_float_8's additions (a 512-bit register's two halves added give this for two rows at once)."""
+    assert len(halved) == 4
+    return _hsum_from_halves(builder, halved)
+
+
+def _pairwise(builder, a, b, first, second):
+    return builder.fadd(builder.shuffle_vector(a, b, const_vec(I32, first)),
+                        builder.shuffle_vector(a, b, const_vec(I32, second)))
+
+
+def _hsum_from_halves(builder, halves_: list):
+    """hsum_float_8_rows past its first additions: halves_[k] = [row k's 4 | row k+4's 4]."""
     # (s0 + s2, s1 + s3) of each: [a's 2, c's 2 | b's 2, d's 2]
-    quarters = [pairwise(halves_[k], halves_[k + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+    quarters = [_pairwise(builder, halves_[k], halves_[k + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
                 for k in (0, 2)]
-    return pairwise(quarters[0], quarters[1], [0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])
+    return _pairwise(builder, quarters[0], quarters[1], [0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])
 
 
 # Two ways of summing lanes of <8 x i32> vectors pairwise, as shuffle masks (first, second) into the
