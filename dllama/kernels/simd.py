@@ -135,11 +135,19 @@ def hsum_float_8_rows(builder, accs: list):
 
 
 def hsum_float_8_halved(builder, halved: list):
-    """hsum_float_8 of 8 rows whose first additions are made: halved[k] holds row k's a_i + a_(i+4)
-    (i < 4) in lanes 0-3 and row k+4's in lanes 4-7 -> lane i of the result is row i's total, by
-    hsum_float_8's additions (a 512-bit register's two halves added give this for two rows at once)."""
-    assert len(halved) == 4
-    return _hsum_from_halves(builder, halved)
+    """hsum_float_8 of 2n rows (n = len(halved): 1, 2 or 4) whose first additions are made:
+    halved[k] holds row k's a_i + a_(i+4) (i < 4) in lanes 0-3 and row k+n's in lanes 4-7 -> a
+    vector of 2n lanes, lane i row i's total, by hsum_float_8's additions (a register of two rows'
+    halves, added, gives this for both at once)."""
+    if len(halved) == 4:
+        return _hsum_from_halves(builder, halved)
+    assert len(halved) in (1, 2)
+    a, b = halved[0], halved[-1]
+    if len(halved) == 2:  # (s0 + s2, s1 + s3) of each: [row 0's 2, row 1's 2 | row 2's 2, row 3's 2]
+        quarters = _pairwise(builder, a, b, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+        return _pairwise(builder, quarters, quarters, [0, 2, 4, 6], [1, 3, 5, 7])
+    quarters = _pairwise(builder, a, a, [0, 1, 4, 5], [2, 3, 6, 7])  # [row 0's 2 | row 1's 2]
+    return _pairwise(builder, quarters, quarters, [0, 2], [1, 3])
 
 
 def _pairwise(builder, a, b, first, second):
