@@ -378,41 +378,25 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     span.save(builder)
     if in_lanes is not None:
         return in_lanes.totals(builder, n_rows, len(x_rows))
+    # a token's rows summed as one tree (hsum_float_8_halved): a pair's two dots (or a register's
+    # halves) added give both rows' first additions, a_i + a_(i+4), at once; rows 2p and 2p+1 come
+    # out in lanes p and n_pairs + p. The same additions as hsum_float_8's, in ~30 IR operations a
+    # token of 8 rows, not ~100 row by row: ~220 fewer instructions an 8 x 4 tile with the 512-bit
+    # halves, whose 18 blocks take ~2470. SmolLM2's Q4_1 3072 x 576 at 8 tokens, Sapphire Rapids,
+    # interleaved processes: 1 thread 0.39-0.43 -> 0.34-0.37 ns per (row, token, block), 2 threads
+    # 0.20-0.235 -> 0.174-0.193; a step of 8 sequences 10.2-10.9 -> 9.9-10.2 ms
+    at_lane = [r // 2 + n_pairs * (r % 2) for r in range(n_rows)]
     totals = [[None] * len(x_rows) for _ in range(n_rows)]
-    if acc_t is F32 and n_pairs in (1, 2, 4):
-        # a token's rows summed as one tree (hsum_float_8_halved): a pair's two dots (or a register's
-        # halves) added give both rows' first additions, a_i + a_(i+4), at once; rows 2p and 2p+1
-        # come out in lanes p and n_pairs + p. The same additions as hsum_float_8's, in ~30 IR
-        # operations a token of 8 rows, not ~100 row by row: ~220 fewer instructions an 8 x 4 tile
-        # with the 512-bit halves, whose 18 blocks take ~2470. SmolLM2's Q4_1 3072 x 576 at 8 tokens,
-        # Sapphire Rapids, interleaved processes: 1 thread 0.39-0.43 -> 0.34-0.37 ns per (row, token,
-        # block), 2 threads 0.20-0.235 -> 0.174-0.193; a step of 8 sequences 10.2-10.9 -> 9.9-10.2 ms
-        at_lane = [r // 2 + n_pairs * (r % 2) for r in range(n_rows)]
-        for j in tokens:
-            pairs = [halves(builder, builder.load(acc_slots[p, j, 0])) if halves_512 else
-                     (builder.load(acc_slots[p, j, 0]), builder.load(acc_slots[p, j, 1])) for p in range(n_pairs)]
-            sums = hsum_float_8_halved(builder, [builder.fadd(low, high) for low, high in pairs])
-            if fmt in _WITH_MIN:
-                summs = builder.load(summs_slots[j])
-                sums = builder.fadd(sums, builder.shuffle_vector(summs, summs, const_vec(I32, [at_lane.index(v)
-                                                                                           for v in range(n_rows)])))
-            for r in range(n_rows):
-                totals[r][j] = builder.extract_element(sums, ir.Constant(I32, at_lane[r]))
-        return totals
-    for p in range(n_pairs):
-        for j in tokens:
-            if halves_512:
-                low, high = halves(builder, builder.load(acc_slots[p, j, 0]))
-            else:
-                low, high = (builder.load(acc_slots[p, j, h]) for h in (0, 1))
-            for k in (0, 1):  # row 2p + k: its GGML lanes 0-3 from the low dot, 4-7 from the high one
-                lanes = builder.shuffle_vector(low, high, const_vec(I32, [4 * k + i for i in range(4)] +
-                                                                    [8 + 4 * k + i for i in range(4)]))
-                total = hsum_float_8(builder, lanes)
-                if fmt in _WITH_MIN:
-                    total = builder.fadd(total, builder.extract_element(builder.load(summs_slots[j]),
-                                                                        ir.Constant(I32, 2 * p + k)))
-                totals[2 * p + k][j] = total
+    for j in tokens:
+        pairs = [halves(builder, builder.load(acc_slots[p, j, 0])) if halves_512 else
+                 (builder.load(acc_slots[p, j, 0]), builder.load(acc_slots[p, j, 1])) for p in range(n_pairs)]
+        sums = hsum_float_8_halved(builder, [builder.fadd(low, high) for low, high in pairs])
+        if fmt in _WITH_MIN:
+            summs = builder.load(summs_slots[j])
+            sums = builder.fadd(sums, builder.shuffle_vector(summs, summs, const_vec(I32, [at_lane.index(v)
+                                                                                       for v in range(n_rows)])))
+        for r in range(n_rows):
+            totals[r][j] = builder.extract_element(sums, ir.Constant(I32, at_lane[r]))
     return totals
 
 
