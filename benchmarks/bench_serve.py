@@ -14,7 +14,12 @@ in two loads (--loads):
 Figures per run: aggregate generated tokens/s (burst: all tokens / wall time from the first
 request to the last answer; sustained: tokens streamed within the window / its length), per-stream
 decode tokens/s (median over requests, after each one's first token), time to first token p50 /
-p95. Several rounds; the table shows medians.
+p95. Several rounds; the table shows medians. For ours, a second table: where its engine's time
+went in the same window, from the batcher's counters (/metrics' dllama_batch_kind_*): the share of
+the time in steps of each kind (decode: every sequence's next token; prompt: prompt tokens alone;
+mixed: both), a decode step's sequences and milliseconds, and the engine's decode tokens/s while
+decoding. The aggregate is about that rate times the decode steps' share of the time; the line under
+the table splits the 8-client / 1-client ratio so.
 
     python benchmarks/bench_serve.py [--model smollm2|PATH] [--clients 1,4,8,16] [--max-tokens 64]
                                      [--threads 2] [--servers ours,ours-no-http,ours-3,llama-server]
@@ -161,21 +166,30 @@ def _latency(requests: list[dict]) -> dict:
             "requests": len(requests)}
 
 
-async def run_burst(ask, n: int, max_tokens: int) -> dict:
+async def run_burst(ask, n: int, max_tokens: int, counters=None) -> dict:
     """n clients ask at the same instant, once each. ask(question, max_tokens, t0): one answer's
-    figures (one_stream's)."""
+    figures (one_stream's). counters: ours' step counters (step_counters), or None."""
+    before = await counters() if counters else None
     t0 = time.perf_counter()
     results = await asyncio.gather(*(ask(QUESTIONS[i % len(QUESTIONS)], max_tokens, t0) for i in range(n)))
     wall = max(r["end"] for r in results) - t0
     tokens = sum(r["tokens"] for r in results)
-    return {"aggregate_tps": tokens / wall, **_latency(results), "tokens": tokens}
+    steps = step_figures(before, await counters(), wall) if counters else {}
+    return {"aggregate_tps": tokens / wall, **_latency(results), "tokens": tokens, **steps}
 
 
-async def run_sustained(ask, n: int, max_tokens: int, duration: float, stagger: float) -> dict:
+async def run_sustained(ask, n: int, max_tokens: int, duration: float, stagger: float, counters=None) -> dict:
     """n users, user i starting i * stagger seconds in, each asking again as soon as its answer
     ends, until `duration` seconds after the last one started; figures over that window. Every
-    question is numbered, so that no server answers it from a cached earlier prompt."""
+    question is numbered, so that no server answers it from a cached earlier prompt. counters:
+    ours' step counters (step_counters), read as the window opens and closes, or None."""
     asked = 0
+
+    async def counted_window() -> dict:
+        await asyncio.sleep(window_start - time.perf_counter())
+        before = await counters()
+        await asyncio.sleep(window_end - time.perf_counter())
+        return step_figures(before, await counters(), duration)
 
     async def user(i: int) -> list[dict]:
         nonlocal asked
@@ -189,18 +203,64 @@ async def run_sustained(ask, n: int, max_tokens: int, duration: float, stagger: 
 
     window_start = time.perf_counter() + (n - 1) * stagger
     window_end = window_start + duration
+    window = asyncio.ensure_future(counted_window()) if counters else None
     answers = [a for user_answers in await asyncio.gather(*(user(i) for i in range(n))) for a in user_answers]
+    steps = await window if window else {}
     # an answer's tokens spread over its pieces of text (a piece is a token, or a few)
     streamed = sum(a["tokens"] / len(a["chunks"]) * sum(window_start <= c < window_end for c in a["chunks"])
                    for a in answers if a["chunks"])
     inside = [a for a in answers if window_start <= a["start"] < window_end]
-    return {"aggregate_tps": streamed / duration, **_latency(inside), "tokens": round(streamed)}
+    return {"aggregate_tps": streamed / duration, **_latency(inside), "tokens": round(streamed), **steps}
 
 
-async def run_loads(ask, n: int, max_tokens: int, loads: list[str], duration: float, stagger: float) -> dict:
+async def run_loads(ask, n: int, max_tokens: int, loads: list[str], duration: float, stagger: float,
+                    counters=None) -> dict:
     await ask("Hello", 4, time.perf_counter())  # warm-up, once for the loads that follow
-    return {load: await (run_burst(ask, n, max_tokens) if load == "burst" else
-                         run_sustained(ask, n, max_tokens, duration, stagger)) for load in loads}
+    return {load: await (run_burst(ask, n, max_tokens, counters) if load == "burst" else
+                         run_sustained(ask, n, max_tokens, duration, stagger, counters)) for load in loads}
+
+
+# ------------------------------------------------------------------ where ours' time went
+
+STEP_KINDS = ("decode", "prompt", "mixed")  # (dllama.batching.STEP_KINDS, as /metrics labels them)
+
+
+def batcher_counters(batcher) -> dict:
+    """The step counters of a Batcher (or None before its first request): {(what, kind): value}."""
+    return {(what, kind): 0 if batcher is None else getattr(batcher, f"kind_{what}")[kind]
+            for what in ("steps", "tokens", "seconds") for kind in STEP_KINDS}
+
+
+async def metrics_counters(http: aiohttp.ClientSession, url: str) -> dict:
+    """The same from a server's /metrics (dllama_batch_kind_{steps,tokens,seconds}_total{kind})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for what in ("steps", "tokens", "seconds"):
+                if sample.name == f"dllama_batch_kind_{what}_total":
+                    out[(what, sample.labels["kind"])] = sample.value
+    if len(out) != 3 * len(STEP_KINDS):
+        raise RuntimeError(f"{url}/metrics has no step counters by kind")
+    return out
+
+
+def step_figures(before: dict, after: dict, wall: float) -> dict:
+    """Where the engine's time went between two readings of its counters, over `wall` seconds: each
+    kind's share of the time; a decode step's sequences and milliseconds, and the decode tokens/s of
+    the engine while it decodes; a prompt step's tokens."""
+    d = {key: after[key] - before[key] for key in after}
+    out = {f"{kind}_share": d[("seconds", kind)] / wall for kind in STEP_KINDS}
+    out["idle_share"] = max(0.0, 1 - sum(out.values()))
+    steps, tokens, seconds = d[("steps", "decode")], d[("tokens", "decode")], d[("seconds", "decode")]
+    out["decode_batch"] = tokens / steps if steps else 0.0
+    out["decode_step_ms"] = 1e3 * seconds / steps if steps else 0.0
+    out["decode_rate_tps"] = tokens / seconds if seconds else 0.0
+    out["prompt_step_tokens"] = d[("tokens", "prompt")] / d[("steps", "prompt")] if d[("steps", "prompt")] else 0.0
+    return out
 
 
 async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int, loads: list[str],
@@ -211,7 +271,9 @@ async def measure(kind: str, model: str, threads: int, n: int, max_tokens: int, 
     try:
         await server.ready()
         async with _session() as http:
-            return await run_loads(partial(one_stream, http, server.url), n, max_tokens, loads, duration, stagger)
+            counters = partial(metrics_counters, http, server.url) if kind != "llama-server" else None
+            return await run_loads(partial(one_stream, http, server.url), n, max_tokens, loads, duration, stagger,
+                                   counters)
     except aiohttp.ClientError as e:
         raise RuntimeError(f"{type(e).__name__}: {e}; the server's log ends: {server.log_tail()[-400:]!r}") from e
     finally:
@@ -260,7 +322,10 @@ async def no_http_loads(model: str, threads: int, n: int, max_tokens: int, loads
                                            on_text=lambda piece: piece and chunks.append(time.perf_counter()))
             return _answer(start, t0, len(gen.tokens), chunks, time.perf_counter())
 
-        return await run_loads(ask, n, max_tokens, loads, duration, stagger)
+        async def counters() -> dict:
+            return batcher_counters(runtime.engine.batcher)
+
+        return await run_loads(ask, n, max_tokens, loads, duration, stagger, counters)
     finally:
         await runtime.close()
 
@@ -355,6 +420,35 @@ def main() -> None:
                 print(f"{load}, {kind}: aggregate at 8 clients / 1 client = "
                       f"{eight['aggregate_tps'] / one['aggregate_tps']:.2f}x (rounds: {each}); "
                       f"TTFT p95 at 8 / at 1 = {eight['ttft_p95_ms'] / one['ttft_p95_ms']:.2f}x")
+        print_steps(load, figures, servers, clients)
+
+
+def print_steps(load: str, figures: dict, servers: list[str], clients: list[int]) -> None:
+    """The second table: where ours' engine time went (step_figures), and the 8 / 1 ratio split."""
+    ours = [kind for kind in servers if kind != "llama-server"]
+    if not any("decode_share" in figures.get((load, kind, n), {}) for kind in ours for n in clients):
+        return
+    print(f"\n{load}, where ours' time went (share of the time in steps of each kind; a decode step: "
+          f"sequences, ms, and the engine's decode tok/s)")
+    print("| server | clients | decode | prompt | mixed | idle | sequences a decode step | ms a decode step | "
+          "decode tok/s | tokens a prompt step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in clients:
+        for kind in ours:
+            f = figures.get((load, kind, n), {})
+            if "decode_share" in f:
+                print(f"| {kind} | {n} | {f['decode_share']:.0%} | {f['prompt_share']:.0%} | {f['mixed_share']:.0%} | "
+                      f"{f['idle_share']:.0%} | {f['decode_batch']:.2f} | {f['decode_step_ms']:.2f} | "
+                      f"{f['decode_rate_tps']:.0f} | {f['prompt_step_tokens']:.1f} |")
+    for kind in ours:
+        one, eight = figures.get((load, kind, 1), {}), figures.get((load, kind, 8), {})
+        if one.get("decode_rate_tps") and eight.get("decode_rate_tps") and one.get("decode_share"):
+            print(f"{load}, {kind}, 8 clients / 1: the engine's decode tok/s "
+                  f"{eight['decode_rate_tps'] / one['decode_rate_tps']:.2f}x (a step of "
+                  f"{eight['decode_batch']:.2f} sequences {eight['decode_step_ms']:.2f} ms, of 1 "
+                  f"{one['decode_step_ms']:.2f} ms) x the decode steps' share of the time "
+                  f"{eight['decode_share'] / one['decode_share']:.2f}x ({one['decode_share']:.0%} -> "
+                  f"{eight['decode_share']:.0%})")
 
 
 if __name__ == "__main__":

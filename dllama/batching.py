@@ -60,6 +60,8 @@ log = logging.getLogger("dllama.batching")
 PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode, at least
 PREFILL_DELAY_BUDGET = 256  # ... and up to this many over the number of decoding sequences
 MIN_SHARE_WAIT = 16  # prompt tokens another request must be about to compute for this one to wait a step
+# what a step carried, for /metrics: every sequence's next token, prompt tokens alone, or both
+STEP_KINDS = ("decode", "prompt", "mixed")
 
 
 def _internal_error(e: BaseException) -> str:
@@ -85,6 +87,11 @@ class Batcher:
         self.step_sequences = 0  # summed over steps: sequences per step = step_sequences / steps
         self.step_tokens = 0
         self.last_batch = 0  # sequences in the last step
+        # by STEP_KINDS: the steps, their tokens and their seconds (a step paused while another's
+        # prompt ran, on one node, without the pause: the two add up to the wall time they took)
+        self.kind_steps = dict.fromkeys(STEP_KINDS, 0)
+        self.kind_tokens = dict.fromkeys(STEP_KINDS, 0)
+        self.kind_seconds = dict.fromkeys(STEP_KINDS, 0.0)
         self._alone_tokens = 0  # prompt tokens of the steps without the decoders since they last ran
         self._in_flight: set[Stream] | None = None  # the streams of a step that prompts may preempt
         self._in_flight_prompt = 0  # ... and the prompt tokens it carries beside the decoders
@@ -176,6 +183,9 @@ class Batcher:
                         preempt: bool = False) -> None:
         """One step of the engine, and what it gives each stream."""
         engine = self.engine
+        decoding = sum(s.decoding for s in streams)
+        kind = "decode" if decoding == len(streams) else "mixed" if decoding else "prompt"
+        started, paused = time.perf_counter(), engine.paused_s
         try:
             results = await engine.step(seqs, preempt=preempt)
         except Exception as e:  # the step failed for all of them: each keeps what it produced
@@ -192,6 +202,10 @@ class Batcher:
         self.step_sequences += len(seqs)
         self.step_tokens += sum(len(q.tokens) for q in seqs)
         self.last_batch = len(seqs)
+        self.kind_steps[kind] += 1
+        self.kind_tokens[kind] += sum(len(q.tokens) for q in seqs)
+        # (a preempting step's own time is not a pause of its own: only the step it preempted waited)
+        self.kind_seconds[kind] += time.perf_counter() - started - (0.0 if preempt else engine.paused_s - paused)
         for s, q, n, summaries in zip(streams, seqs, fed, results):
             del s.pending[:n]
             self.last_used[s.slot] = time.monotonic()

@@ -184,6 +184,11 @@ class Engine:
     preempts: bool = False  # whether step(..., preempt=True) may run while another step is in flight
     batcher = None  # the batching.Batcher generating on it, once there is one
 
+    @property
+    def paused_s(self) -> float:
+        """Seconds steps in flight have waited for preempting ones (where `preempts`), so far."""
+        return 0.0
+
     def __init__(self, slots: int = 1, kv_budget: int | None = None, compute_here: bool = False):
         """slots: sequences that may decode together; kv_budget: positions their KV caches may
         hold in all (at least one whole context; default: each slot a whole context, which a
@@ -395,6 +400,10 @@ class LocalEngine(Engine):
         self.node = NodeStep(model, None, None, self.preemption)
         self._preempting_node = NodeStep(model, None, None)
         self.ctx_size = model.ctx_size
+
+    @property
+    def paused_s(self) -> float:
+        return self.preemption.paused_s
 
     async def _run(self, tokens, step, preempt):
         if not preempt:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dllama.batching import PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET
+from dllama.batching import PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET, STEP_KINDS
 from dllama.cli.common import open_runtime
 from dllama.engine import LocalEngine, SeqInput
 from dllama.generate import Generator, _common_prefix
@@ -204,6 +204,43 @@ async def test_a_prompt_that_arrives_while_others_decode_runs_first(gguf_model, 
         assert not decodes(k) and all(first_steps[slot] == k for slot, _n, _decoding in steps[k]), (k, steps)
 
 
+async def test_the_steps_are_counted_by_what_they_carried(gguf_model, tokenizer):
+    """/metrics' steps by kind (decode, prompt, mixed): arrivals while others decode give each
+    kind; the batcher counts every step and token under the kind the step carried, and their
+    seconds add up to the wall time they took, a step preempted by another's prompt without its
+    pause (the preempting step counts that time)."""
+    engine = LocalEngine(gguf_model, 512, slots=4)
+    steps = RecordedSteps(engine)
+    generator = Generator(engine, tokenizer)
+    long_prompt = tokenizer.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 12))
+    assert len(long_prompt) > PREFILL_CHUNK_WHILE_DECODING  # (goes beside the decoders: a mixed step)
+
+    async def after(prompt, n_steps, max_tokens):
+        await steps.reached(n_steps)
+        return await generator.generate(prompt, GREEDY, max_tokens)
+
+    started = time.perf_counter()
+    await asyncio.gather(after(chat_ids(tokenizer, QUESTIONS[0]), 0, 16), after(chat_ids(tokenizer, QUESTIONS[1]), 3, 12),
+                         after(chat_ids(tokenizer, QUESTIONS[2]), 4, 12), after(long_prompt, 6, 4))
+    wall = time.perf_counter() - started
+    expected_steps, expected_tokens = dict.fromkeys(STEP_KINDS, 0), dict.fromkeys(STEP_KINDS, 0)
+    for entries in steps:
+        decoding = sum(d for _slot, _n, d in entries)
+        kind = "decode" if decoding == len(entries) else "mixed" if decoding else "prompt"
+        expected_steps[kind] += 1
+        expected_tokens[kind] += sum(n for _slot, n, _d in entries)
+    batcher = engine.batcher
+    assert batcher.kind_steps == expected_steps and batcher.kind_tokens == expected_tokens, steps
+    assert all(expected_steps.values()), steps  # each kind ran
+    assert all(batcher.kind_seconds[k] > 0 for k in STEP_KINDS), batcher.kind_seconds
+    assert steps.preempting and engine.paused_s > 0, steps  # a step waited for a preempting one...
+    # ... and counts without that wait: the kinds' seconds are the wall time the steps took (busy back
+    # to back here), give or take a preempting step's own wait for the next sync point, not its pause
+    # twice (the pause is ~20% of the wall time here)
+    assert sum(batcher.kind_seconds.values()) < wall + engine.paused_s / 2, (batcher.kind_seconds, wall)
+    await engine.close()
+
+
 async def test_a_later_prompt_step_takes_only_whole_prompts(gguf_model, tokenizer):
     """While a prompt runs without the decoding sequences, a long prompt and then a short one
     arrive: the next step without them carries the short one whole (its first token), and the long
@@ -370,6 +407,9 @@ def test_eight_streams_on_a_cluster_survive_a_killed_worker(model_path, alone_an
             m = metrics(url)
             assert m[("dllama_nodes", ())] == 2 and m[("dllama_cluster_events_total", ())] >= 2
             assert m[("dllama_batch_sequences_total", ())] / m[("dllama_batch_steps_total", ())] > 4
+            by_kind = {k: m[("dllama_batch_kind_steps_total", (("kind", k),))] for k in STEP_KINDS}
+            assert sum(by_kind.values()) == m[("dllama_batch_steps_total", ())] and by_kind["decode"] > 0, by_kind
+            assert m[("dllama_batch_kind_seconds_total", (("kind", "decode"),))] > 0
     finally:
         for w in workers:
             w.stop()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..batching import STEP_KINDS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -122,6 +124,7 @@ class Metrics:
                    "tokens).").add(0 if batcher is None else batcher.step_tokens),
             Family("dllama_batch_size", "gauge", "Sequences in the last step.").add(0 if batcher is None else
                                                                                     batcher.last_batch),
+            *_step_kinds(batcher),
             Family("dllama_context_tokens", "gauge", "Context size (one sequence's KV cache) in tokens.").add(ctx_size),
             Family("dllama_kv_cache_tokens", "gauge", "Tokens in the KV caches now (all slots, idle ones kept for "
                    "reuse included).").add(kv_cached),
@@ -166,3 +169,19 @@ class Metrics:
                 rss.add(float(stats["rss_mb"]) * 1024 * 1024, node=node)
         out += [f for f in (step, sync, sent, rss) if f.samples]
         return out
+
+
+def _step_kinds(batcher) -> list[Family]:
+    """The batcher's steps by what they carried (batching.STEP_KINDS), as llama-server's
+    prompt_seconds_total and tokens_predicted_seconds_total: where the engine's time goes."""
+    about = "decode: every sequence's next token; prompt: prompt tokens alone; mixed: both"
+    steps = Family("dllama_batch_kind_steps_total", "counter", f"Forward steps by what they carried ({about}).")
+    tokens = Family("dllama_batch_kind_tokens_total", "counter", f"Tokens of the forward steps by what they "
+                    f"carried ({about}).")
+    seconds = Family("dllama_batch_kind_seconds_total", "counter", f"Seconds in forward steps by what they carried "
+                     f"({about}); a step paused while a prompt's step ran (one node) without the pause.")
+    for kind in STEP_KINDS:
+        steps.add(0 if batcher is None else batcher.kind_steps[kind], kind=kind)
+        tokens.add(0 if batcher is None else batcher.kind_tokens[kind], kind=kind)
+        seconds.add(0.0 if batcher is None else batcher.kind_seconds[kind], kind=kind)
+    return [steps, tokens, seconds]
