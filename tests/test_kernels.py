@@ -16,8 +16,9 @@ from numba import njit
 
 from dllama.config import RopeScaling
 from dllama.kernels import ops
-from dllama.kernels.activations import (PAIRED_BLOCK_BYTES, STARTS_BLOCK_BYTES, Activations, Q8Activations,
-                                        Q8KActivations, pair_q8_ref, q8_starts_ref, round_f16)
+from dllama.kernels.activations import (PAIR_LANE_QUADS, PAIR_LANES_ALTERNATE, PAIRED_BLOCK_BYTES, STARTS_BLOCK_BYTES,
+                                        Activations, Q8Activations, Q8KActivations, pair_q8_ref, q8_starts_ref,
+                                        round_f16)
 from dllama.kernels.attention import attention, attention_ref
 from dllama.kernels.matmul import SPANNED_TOKENS, matmul, matmul_in_lanes_ref, matmul_ref
 from dllama.kernels.packing import PACKABLE, span_blocks
@@ -200,8 +201,9 @@ def test_q8_activation_quantization_semantics():
 
 
 def test_q8_paired_layout_equals_reference_exactly():
-    """The paired layout (the prefill tiles' activations for rows packed in pairs): per block the
-    halves twice each, then -bias times each lane's four-value sums as int16, the extremes included."""
+    """The paired layout (the prefill tiles' activations for rows packed in pairs): per block each
+    lane's four values (the halves twice each, or with PAIR_LANES_ALTERNATE each four values twice in a
+    row), then -bias times each lane's four-value sums as int16, the extremes included."""
     x = dict(_q8_inputs())["gaussian"]
     a = Q8Activations.quantize(x)
     a.q[0, :32] = 127  # the largest sums the int16 must hold, both signs
@@ -210,10 +212,17 @@ def test_q8_paired_layout_equals_reference_exactly():
         ours = a.paired(bias)
         np.testing.assert_array_equal(ours, pair_q8_ref(a.q, bias))
         blocks = ours.reshape(17, -1, PAIRED_BLOCK_BYTES)
-        np.testing.assert_array_equal(blocks[..., 16:32], a.q.reshape(17, -1, 32)[..., :16])
+        values = a.q.reshape(17, -1, 32)
+        if PAIR_LANES_ALTERNATE:  # lanes 2i and 2i+1 (rows 2p and 2p+1) meet values 4i .. 4i+3, i = 0-3, then 16 on
+            np.testing.assert_array_equal(blocks[..., 4:8], values[..., 0:4])
+            np.testing.assert_array_equal(blocks[..., 40:44], values[..., 20:24])
+        else:  # lanes 0-3 and 4-7 meet values 0-15, lanes 8-15 values 16-31
+            np.testing.assert_array_equal(blocks[..., 16:32], values[..., :16])
         sums = blocks[..., 64:].copy().view(np.int16)
         assert sums[0, 0, 0] == -bias * 4 * 127 and sums[1, 0, 7] == bias * 4 * 127
-        np.testing.assert_array_equal(sums[2, 3, :4], -bias * a.q[2, 96:112].reshape(4, 4).astype(np.int32).sum(-1))
+        lanes_of_quad = [PAIR_LANE_QUADS.index(quad) for quad in range(8)]
+        np.testing.assert_array_equal(sums[2, 3, lanes_of_quad],
+                                      -bias * values[2, 3].reshape(8, 4).astype(np.int32).sum(-1))
     with pytest.raises(ValueError, match="bias"):
         a.paired(128)
 
@@ -859,16 +868,23 @@ def test_spans_of_an_odd_block_count_walked_span_by_span_give_the_same_bits(qtyp
 def test_q4_1_pairs_of_packed_rows_interleave_their_nibbles_where_the_kernels_read_them_so():
     """Where Q4_1's packed pairs of rows interleave their nibbles (simd_q8.INTERLEAVED_NIBBLES: AVX-512
     with VNNI, not Intel's 512-bit halves), byte k of a pair's 32 quant bytes holds value k of both
-    rows, the first's in its low nibble; elsewhere each row's 16 bytes as stored, side by side."""
+    rows, the first's in its low nibble; with Intel's 512-bit halves (simd_q8.PAIR_LANE_ORDER) the
+    rows' bytes alternate four by four (lane by lane); elsewhere each row's 16 bytes as stored, side
+    by side."""
     from dllama.kernels.packing import PackedRows
-    from dllama.kernels.simd_q8 import INTERLEAVED_NIBBLES
+    from dllama.kernels.simd_q8 import INTERLEAVED_NIBBLES, PAIR_LANE_ORDER
 
     w = weight_matrix(QType.Q4_1, 8, 32, seed=3)
     at = FORMATS[QType.Q4_1].field_offsets(8)["qs"]
     quants = PackedRows.pack(w.data, QType.Q4_1).groups[0, 0, at:at + 128].reshape(4, 32)
     stored = w.data[:, 4:20]  # each row's quant bytes (after d and m): value k low, k + 16 high
     values = np.concatenate([stored & 0x0F, stored >> 4], axis=1)  # (8 rows, 32) in value order
-    expected = values[0::2] | (values[1::2] << 4) if "q4_1" in INTERLEAVED_NIBBLES else stored.reshape(4, 32)
+    if "q4_1" in INTERLEAVED_NIBBLES:
+        expected = values[0::2] | (values[1::2] << 4)
+    elif "q4_1" in PAIR_LANE_ORDER:
+        expected = np.stack([stored[0::2].reshape(4, 4, 4), stored[1::2].reshape(4, 4, 4)], axis=2).reshape(4, 32)
+    else:
+        expected = stored.reshape(4, 32)
     np.testing.assert_array_equal(quants, expected)
 
 

@@ -15,7 +15,19 @@ from numba.extending import intrinsic
 
 from ..quant import QK
 from . import CACHE, SERIAL_VALUES
-from .simd import F32, I8, I16, I32, I64, LANES, call_llvm, const_vec, load_at, round_to_f16, row_ptr, splat, vec
+from .simd import (F32, I8, I16, I32, I64, LANES, X86_WIDE_RUNS, call_llvm, const_vec, load_at, round_to_f16, row_ptr,
+                   splat, vec)
+
+# A pair of rows packed side by side meets a block's values in 16 lanes of four (simd_q8._emit_pair_dots:
+# lanes 0-7 the low nibbles, values 0-15; lanes 8-15 the high ones, values 16-31): PAIR_LANE_ROWS[k] is
+# which of the two rows lane k serves, PAIR_LANE_QUADS[k] which four values (4q .. 4q+3). The rows one
+# after the other (row 2p's four lanes, then row 2p+1's), or with PAIR_LANES_ALTERNATE (the 512-bit
+# halves of Intel's AVX-512, simd.X86_WIDE_RUNS) lane by lane, so that a pair's two scales are one
+# 64-bit broadcast load rather than eight lanes each worked out on the ports the dots need. The packed
+# rows' quants (packing.py) and the activations' paired layout follow it.
+PAIR_LANES_ALTERNATE = X86_WIDE_RUNS
+PAIR_LANE_ROWS = tuple(k % 2 if PAIR_LANES_ALTERNATE else k % 8 // 4 for k in range(16))
+PAIR_LANE_QUADS = tuple(4 * (k // 8) + (k % 8 // 2 if PAIR_LANES_ALTERNATE else k % 4) for k in range(16))
 
 
 def round_f16(a: np.ndarray) -> np.ndarray:
@@ -25,8 +37,8 @@ def round_f16(a: np.ndarray) -> np.ndarray:
 def _emit_q8_block(builder, x_row, q_row, d_row, ds_row, b, paired_row=None, bias=None):
     """IR of block b (32 values) of one row, as GGML's quantize_row_q8_1: amax = max |x|, q =
     rint(x * (127 / amax)) (0 for an all-zero block; halves to even, as its SIMD path), d = amax / 127
-    and d * sum(q), both rounded to f16. paired_row: also the block in the paired layout (the
-    halves twice, then -bias times each lane's four values' sum, as int16: pair_q8_ref)."""
+    and d * sum(q), both rounded to f16. paired_row: also the block in the paired layout (each
+    lane's four values, then -bias times their sum, as int16: pair_q8_ref)."""
     x = load_at(builder, x_row, builder.mul(b, ir.Constant(I64, 4 * QK)), F32, QK)
     # |x| as bits: their unsigned maximum is the floats' (a NaN above every number, as numpy's max)
     magnitudes = builder.and_(builder.bitcast(x, vec(I32, QK)), const_vec(I32, [0x7FFFFFFF] * QK))
@@ -44,14 +56,14 @@ def _emit_q8_block(builder, x_row, q_row, d_row, ds_row, b, paired_row=None, bia
         builder.store(round_to_f16(builder, value), builder.gep(row, [b]))  # (d*s in f32 first)
     if paired_row is not None:
         at = builder.gep(paired_row, [builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))])
-        order = [*range(16), *range(16), *range(16, 32), *range(16, 32)]  # each half twice
+        order = [4 * quad + i for quad in PAIR_LANE_QUADS for i in range(4)]
         halves = builder.shuffle_vector(q8, q8, const_vec(I32, order))
         builder.store(halves, builder.bitcast(at, vec(I8, 2 * QK).as_pointer()), align=1)
         fours = [builder.shuffle_vector(q, q, const_vec(I32, range(i, QK, 4))) for i in range(4)]  # exact integers
         sums = builder.mul(builder.add(builder.add(fours[0], fours[1]), builder.add(fours[2], fours[3])),
                            splat(builder, builder.neg(bias), LANES))
         lanes = builder.shuffle_vector(builder.trunc(sums, vec(I16, LANES)), ir.Constant(vec(I16, LANES), None),
-                                       const_vec(I32, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))
+                                       const_vec(I32, PAIR_LANE_QUADS))
         builder.store(lanes, builder.bitcast(builder.gep(at, [ir.Constant(I64, 2 * QK)]), vec(I16, 16).as_pointer()),
                       align=1)
 
@@ -100,33 +112,31 @@ def _quantize_q8(x, xq, xd, xds):
 
 
 # The paired layout of Q8 values (what the prefill tiles of rows packed in pairs read, simd_q8.py), per
-# 32-value block: values 0-15 twice, values 16-31 twice (the halves a pair of rows meets), then 16
-# int16: -bias times the sum of values 4k .. 4k+3 for k = 0-3, 0-3, 4-7, 4-7 (each half's lanes)
+# 32-value block: the four values of each of a pair's 16 lanes (PAIR_LANE_QUADS: with the rows one after
+# the other, values 0-15 twice, then 16-31 twice), then 16 int16: -bias times each lane's four values' sum
 PAIRED_BLOCK_BYTES = 96
+_LANE_QUADS = np.array(PAIR_LANE_QUADS, np.int64)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _pair_q8_row(q, q64, bias, out64, sums, t):
-    """Row t of the layout: the halves copied 8 bytes at a time (q64, out64: q's and out's bytes as
-    uint64: a byte loop of 64 stores a block did not vectorize), then the lanes' sums."""
+def _pair_q8_row(q, q32, bias, out32, sums, t):
+    """Row t of the layout: each lane's four values copied as one uint32 (q32, out32: q's and out's
+    bytes as uint32), then its sum."""
     for b in range(q.shape[1] // 32):
-        o, p = 4 * b, (PAIRED_BLOCK_BYTES // 8) * b
-        for half in range(2):
-            for j in range(2):
-                out64[t, p + 4 * half + j] = out64[t, p + 4 * half + 2 + j] = q64[t, o + 2 * half + j]
-        for k in range(8):
-            at = 32 * b + 4 * k
+        for k in range(16):
+            quad = _LANE_QUADS[k]
+            out32[t, (PAIRED_BLOCK_BYTES // 4) * b + k] = q32[t, 8 * b + quad]
+            at = 32 * b + 4 * quad
             s = np.int32(q[t, at]) + q[t, at + 1] + q[t, at + 2] + q[t, at + 3]
-            lane = (PAIRED_BLOCK_BYTES // 2) * b + 32 + 8 * (k // 4) + k % 4
-            sums[t, lane] = sums[t, lane + 4] = -bias * s
+            sums[t, (PAIRED_BLOCK_BYTES // 2) * b + 32 + k] = -bias * s
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _pair_q8(q, bias, out):
     """out (T, blocks * PAIRED_BLOCK_BYTES) int8: q's paired layout."""
-    q64, out64, sums = q.view(np.uint64), out.view(np.uint64), out.view(np.int16)
+    q32, out32, sums = q.view(np.uint32), out.view(np.uint32), out.view(np.int16)
     for t in prange(q.shape[0]):
-        _pair_q8_row(q, q64, bias, out64, sums, t)
+        _pair_q8_row(q, q32, bias, out32, sums, t)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -142,11 +152,10 @@ def _quantize_q8_paired(x, xq, xd, xds, bias, out):
 
 def pair_q8_ref(q: np.ndarray, bias: int) -> np.ndarray:
     """numpy reference of Q8Activations.paired."""
-    blocks = q.reshape(q.shape[0], -1, 32)
-    halves = np.concatenate([blocks[..., :16], blocks[..., :16], blocks[..., 16:], blocks[..., 16:]], axis=-1)
-    s = -bias * blocks.reshape(*blocks.shape[:2], 8, 4).astype(np.int32).sum(axis=-1)
-    lanes = np.concatenate([s[..., :4], s[..., :4], s[..., 4:], s[..., 4:]], axis=-1).astype("<i2")
-    return np.concatenate([halves, lanes.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
+    quads = q.reshape(q.shape[0], -1, 8, 4)[:, :, list(PAIR_LANE_QUADS)]  # (T, blocks, 16 lanes, 4)
+    sums = np.ascontiguousarray((-bias * quads.astype(np.int32).sum(axis=-1)).astype("<i2"))
+    values = quads.reshape(*quads.shape[:2], 64)
+    return np.concatenate([values, sums.view(np.int8)], axis=-1).reshape(q.shape[0], -1)
 
 
 # The starts layout of Q8 values (what Q8_0's 512-bit tiles read, simd_q8.py), per 32-value block: the

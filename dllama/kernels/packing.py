@@ -7,8 +7,8 @@ file's layout are four short streams, which the hardware prefetcher does not fol
 slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
 ng .. ng+n-1 together, then block b+1, so that n rows are one sequential stream. Within a block of
 n rows the fields go one after another (every row's scale, then every row's quants, ...): the
-scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`;
-where simd_q8.INTERLEAVED_NIBBLES says so, a pair's nibbles interleaved value by value, so that a
+scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`,
+in the order of the lanes they meet: activations.PAIR_LANE_ROWS; where simd_q8.INTERLEAVED_NIBBLES says so, a pair's nibbles interleaved value by value, so that a
 mask and a shift give each row's values in order: `_emit_interleaved_dots`); a K-quant group's
 6-bit scales and mins are unpacked for all its rows at once (simd_q8k.py).
 Each row's blocks are still summed in their order, into their own accumulators: the bits are the
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant import FORMATS, QType
-from .simd_q8 import INTERLEAVED_NIBBLES, PACK_ROWS
+from .activations import PAIR_LANE_QUADS, PAIR_LANE_ROWS
+from .simd_q8 import INTERLEAVED_NIBBLES, PACK_ROWS, PAIR_LANE_ORDER
 from .simd_q8k import K_PACK_ROWS
 
 # Whole rows of 8192 values of Q4_0 by 8 put 36 KB of weights between two reads of an activation,
@@ -98,6 +99,38 @@ def _interleave(blocks: np.ndarray, qtype: QType) -> None:
     pairs[..., 1, :] = (first >> 4) | (second & 0xF0)  # values 16-31
 
 
+# Where byte j of a pair's 32 quant bytes in lane order comes from in its two rows' 16 + 16: lane j // 4
+# (of the low nibbles' 8; the high nibbles' are in the same bytes) holds four bytes of its row's
+_LANE_BYTES = np.array([16 * PAIR_LANE_ROWS[k] + 4 * PAIR_LANE_QUADS[k] + i for k in range(8) for i in range(4)])
+# ... and bit 32h + j of a pair's two fifth-bit words (Q5), where in its rows' two: value 16h + (byte j's)
+_LANE_BITS = np.array([32 * PAIR_LANE_ROWS[k] + 16 * h + 4 * PAIR_LANE_QUADS[k] + i
+                       for h in (0, 1) for k in range(8) for i in range(4)])
+
+
+def _reorder(field: np.ndarray, order: np.ndarray, back: bool) -> None:
+    """field[..., j] = field[..., order[j]] in place, or `back` the other way."""
+    if back:
+        field[..., order] = field.copy()
+    else:
+        field[...] = field[..., order]
+
+
+def _in_lane_order(blocks: np.ndarray, qtype: QType, back: bool = False) -> None:
+    """Packed blocks (..., n * block bytes), in place: each pair of rows' quants (row 2p's 16 bytes,
+    then row 2p+1's) in the order of the lanes they meet (simd_q8.PAIR_LANE_ORDER), or `back`; so
+    are the bits of their fifth-bit words (Q5), each half's 32 bits those of its bytes in order."""
+    if QType(qtype).name.lower() not in PAIR_LANE_ORDER:
+        return
+    n, lead = rows_per_group(qtype), blocks.shape[:-1]
+    offsets = FORMATS[qtype].field_offsets(n)
+    _reorder(blocks[..., offsets["qs"]:offsets["qs"] + 16 * n].reshape(*lead, n // 2, 32), _LANE_BYTES, back)
+    if "qh" in offsets:  # (bits little-endian: bit b of a pair's 8 bytes is bit b % 8 of byte b // 8)
+        words = blocks[..., offsets["qh"]:offsets["qh"] + 4 * n].reshape(*lead, n // 2, 8)
+        bits = np.unpackbits(words, axis=-1, bitorder="little")
+        _reorder(bits, _LANE_BITS, back)
+        words[...] = np.packbits(bits, axis=-1, bitorder="little")
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """groups[s, g] = span s of rows n*g .. n*g + n-1 (n = rows_per_group), block-interleaved; `rows`
@@ -131,6 +164,7 @@ class PackedRows:
             count = whole + (extra > 0)
             by_group = side_by_side[:count].reshape(count, blocks, n * block_bytes)[..., moved]
             _interleave(by_group, qtype)
+            _in_lane_order(by_group, qtype)
             packed[:, g0:g0 + count] = by_group.reshape(count, -1, per_span, n * block_bytes).transpose(1, 0, 2, 3)
         return cls(QType(qtype), rows, packed.reshape(packed.shape[0], n_groups, per_span * n * block_bytes))
 
@@ -155,5 +189,6 @@ class PackedRows:
         chosen = self.groups[:, index // n]  # (spans, len, span bytes)
         blocks = chosen.transpose(1, 0, 2).reshape(len(index), self.row_bytes // block_bytes, n * block_bytes)
         _interleave(blocks, self.qtype)  # (its own inverse; chosen is a copy: the packed rows stay as they are)
+        _in_lane_order(blocks, self.qtype, back=True)
         blocks = blocks[..., _field_order(self.qtype)].reshape(len(index), blocks.shape[1], n, block_bytes)
         return np.ascontiguousarray(blocks[np.arange(len(index)), :, index % n]).reshape(len(index), self.row_bytes)

@@ -167,6 +167,7 @@ def _hsum_from_halves(builder, halves_: list):
 # concatenation of two vectors: lane k of the result is lane first[k] plus lane second[k]
 _HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # each vector's halves (cross-lane)
 _ADJACENT = ([0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15])  # neighbours (x86: a vphaddd)
+_TWO_APART = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])  # (alternating rows; x86: vshufps)
 
 
 class LaneSums:
@@ -180,7 +181,7 @@ class LaneSums:
         self.levels = []
         items = [list(lanes) for lanes in labels]
         while any(self._duplicated(lanes) for lanes in items):
-            step = next((step for step in (_HALVES, _ADJACENT) if self._merges(items, step)), None)
+            step = next((step for step in (_HALVES, _ADJACENT, _TWO_APART) if self._merges(items, step)), None)
             assert step is not None, f"lanes that no pairwise sum can merge: {items}"
             if len(items) % 2:
                 items.append([None] * LANES)

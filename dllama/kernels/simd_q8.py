@@ -13,7 +13,8 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from ..quant import FORMATS, QType
-from .activations import PAIRED_BLOCK_BYTES, STARTS_BIAS, STARTS_BLOCK_BYTES
+from .activations import (PAIR_LANE_QUADS, PAIR_LANE_ROWS, PAIR_LANES_ALTERNATE, PAIRED_BLOCK_BYTES, STARTS_BIAS,
+                          STARTS_BLOCK_BYTES)
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_GFNI, X86_MADDUBS,
                    X86_VNNI, X86_WIDE_DOTS, X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec,
                    fmuladd, halves, hsum_float_8, hsum_float_8_halved, hsum_float_8_rows, iq4_nl_values, load_at,
@@ -236,19 +237,26 @@ _NIBBLE_PAIRS = ("q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 INTERLEAVED_NIBBLES = ("q4_1",) if X86_VNNI and not WIDE_HALVES else ()
 # the formats whose 512-bit tiles split their nibbles with one GFNI instruction (simd.wide_nibbles)
 _GFNI_NIBBLES = ("q4_1",)
-# GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves
-_X_HALVES = (list(range(16)) * 2, list(range(16, 32)) * 2)
+# GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves, each
+# lane's four values as the pair's lanes meet them (activations.PAIR_LANE_QUADS)
+_X_HALVES = tuple([4 * PAIR_LANE_QUADS[8 * h + k] + i for k in range(8) for i in range(4)] for h in (0, 1))
+# A pair's fifth bits (Q5: its two words' 64 bits) that its low nibbles' 32 bytes take, then its high
+# nibbles': each row's in turn, or in lane order, as packing.py puts them (PAIR_LANE_ORDER)
+_FIFTH_BITS = ([[*range(16 * h, 16 * h + 16), *range(32 + 16 * h, 48 + 16 * h)] for h in (0, 1)],
+               [list(range(32 * h, 32 * h + 32)) for h in (0, 1)])
+# the rows' lanes of a pair's 8-lane sum in their order (row 2p's four, then row 2p+1's), for the last sums
+_ROWS_FIRST = sorted(range(8), key=lambda k: (PAIR_LANE_ROWS[k], PAIR_LANE_QUADS[k]))
 
 
 def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int, x_rows, span, block_stride: int,
                     paired: bool = False):
     """The dots of n_rows (even) rows packed field by field (`fields`: pointers to the first row's
     fields of the group's first block) with activation rows: rows 2p and 2p+1 as one 32-byte load of
-    their nibbles. Its low nibbles against the activations' values 0-15 (twice) give row 2p's GGML
-    lanes 0-3 and row 2p+1's lanes 0-3 in one quad dot, the high nibbles against values 16-31 their
-    lanes 4-7: every lane gets the same operations as in the 8-lane dot (the same bits), with the
-    unpacking, the dots and the scales of two rows in the instructions of one. The rows' scales (and
-    mins) are one vector.
+    their nibbles, in the order of the lanes they meet (activations.PAIR_LANE_ROWS). Its low nibbles
+    against the activations' values 0-15 (each lane's four) give row 2p's GGML lanes 0-3 and row
+    2p+1's lanes 0-3 in one quad dot, the high nibbles against values 16-31 their lanes 4-7: every
+    lane gets the same operations as in the 8-lane dot (the same bits), with the unpacking, the dots
+    and the scales of two rows in the instructions of one. The rows' scales (and mins) are one vector.
     paired: the activation rows are in the paired layout (activations.Q8Activations.paired): those
     halves, then -PAIR_BIAS[fmt] times each lane's four values' sum, loaded instead of worked out per
     token (a prefill tile: one pair of rows on AVX2, where each token's shuffles cost as much as its
@@ -257,9 +265,9 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     n_pairs, tokens = n_rows // 2, range(len(x_rows))
     zero = ir.Constant(vec(acc_t, LANES), [0.0] * LANES)
     acc_slots = {}
-    # (ROWS_IN_LANES) a pair of rows' dot with a token: row 2p's in lanes 0-3, row 2p+1's in 4-7
-    in_lanes = InLanes([[(2 * p, j)] * 4 + [(2 * p + 1, j)] * 4 for p in range(n_pairs) for j in tokens], acc_t,
-                        span, builder) if fmt in ROWS_IN_LANES else None
+    # (ROWS_IN_LANES) a pair of rows' dot with a token: each lane its row's (PAIR_LANE_ROWS)
+    in_lanes = InLanes([[(2 * p + PAIR_LANE_ROWS[k], j) for k in range(LANES)] for p in range(n_pairs) for j in tokens],
+                       acc_t, span, builder) if fmt in ROWS_IN_LANES else None
     # WIDE_HALVES: a pair of rows' two halves side by side in one 512-bit register (lanes 0-7 the
     # low nibbles' dot, 8-15 the high's), each lane with the operations of its 8-lane one; a tile's
     # (one token's strip: Q4_1 0.8-0.9x with them, Sapphire Rapids)
@@ -273,16 +281,16 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     if fmt in _WITH_MIN:  # lane i: row i's sum of m * (d*sum) of the activations' blocks
         for j in tokens:
             summs_slots[j] = span.accumulator(builder, ir.Constant(vec(acc_t, n_rows), [0.0] * n_rows))
-    # halves_512 (float32): a pair's scales for a token, [d_2p d_x] * 4 + [d_2p+1 d_x] * 4, stored
-    # each block and loaded into both halves (a broadcast load, no ALU port) rather than permuted
-    # out of the rows' products (one permute per pair and token, on a port the dots also need: 16
-    # beside ~64 other vector instructions a block of an 8 x 4 tile). The same bits. SmolLM2's Q4_1
-    # 3072 x 576 at 8 tokens, 1 thread, Sapphire Rapids, 4 interleaved pairs of processes: 0.55-0.59
-    # ns per (row, token, block) against 0.60-0.85; at 2 threads within this VM's noise
+    # halves_512 (float32): a token's rows' d_w * d_x stored each block, a pair's two (its lanes
+    # alternate: PAIR_LANES_ALTERNATE) loaded into its 16 lanes by one 64-bit broadcast, a load port's
+    # work. Against a pair's 16 lanes worked out (a permute, then a multiply a token and two pairs:
+    # 8 + 1 of ~70 vector instructions a block of an 8 x 4 tile, on the ports the dots need), the
+    # same bits; SmolLM2's Q4_1 3072 x 576 and 576 x 1536 at 8 tokens, 1 thread, Sapphire Rapids: 0.34
+    # and 0.33 -> 0.31 and 0.30 ns per (row, token, block)
     scales_in_memory = halves_512 and acc_t is F32
     if scales_in_memory:
-        pair_scales_t = vec(F32, 8 * n_pairs)  # a token's: pair p's 8 in [8p, 8p+8)
-        scratch = cgutils.alloca_once(builder, pair_scales_t, size=len(x_rows))
+        assert PAIR_LANES_ALTERNATE
+        scratch = cgutils.alloca_once(builder, vec(F32, n_rows), size=len(x_rows))
         scales_at = opaque(builder, builder.bitcast(scratch, F32.as_pointer()))  # (loads, not forwarded)
 
     def halves_of(vector, f):  # a per-16-byte operation over a 32-byte vector
@@ -305,20 +313,16 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 low, high = (halves_of(v, partial(iq4_nl_values, builder, biased=biased)) for v in (low, high))
             if fmt in ("q5_0", "q5_1"):  # the fifth bits: each half's 16 of the two rows' uint32s
                 words = load_at(builder, fields["qh"], builder.add(block, ir.Constant(I64, 8 * p)), I32, 2)
-                low, high = (builder.or_(v, bits_to_bytes(builder, words, [*range(16 * h, 16 * h + 16),
-                                                                           *range(32 + 16 * h, 48 + 16 * h)],
+                low, high = (builder.or_(v, bits_to_bytes(builder, words, _FIFTH_BITS[fmt in PAIR_LANE_ORDER][h],
                                                           *_fifth_bit(fmt, biased)))
                              for h, v in enumerate((low, high)))
             if fmt == "q4_0" and not biased:
                 low, high = (builder.sub(v, const_vec(I8, [_BIAS[fmt]] * 32)) for v in (low, high))
             nibbles.append(concat(builder, low, high) if halves_512 else (low, high))
         d_tokens = [builder.load(builder.gep(xd_ptr, [b])) for _, xd_ptr, _ in x_rows]
-        if scales_in_memory:  # every token's pair scales, before the dots load them
-            d_w_pairs = builder.shuffle_vector(d_w, d_w, const_vec(I32, [r for p in range(n_pairs)
-                                                                          for r in [2 * p] * 4 + [2 * p + 1] * 4]))
+        if scales_in_memory:  # every token's rows' scales, before the dots load them
             for j, d_x in enumerate(d_tokens):
-                builder.store(builder.fmul(d_w_pairs, splat(builder, d_x, 8 * n_pairs)),
-                              builder.gep(scratch, [ir.Constant(I64, j)]))
+                builder.store(builder.fmul(d_w, splat(builder, d_x, n_rows)), builder.gep(scratch, [ir.Constant(I64, j)]))
         block_dots = {}
         for j, (xq_ptr, _, xds_ptr) in enumerate(x_rows):
             starts = (None, None)
@@ -335,7 +339,7 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 x_halves = [builder.shuffle_vector(xq, xq, const_vec(I32, lanes)) for lanes in _X_HALVES]
                 if biased:  # -bias * the sum of each lane's four activations, in the pairs' lane order
                     start = _bias_start(builder, fmt, xq)
-                    starts = [builder.shuffle_vector(start, start, const_vec(I32, list(range(4 * h, 4 * h + 4)) * 2))
+                    starts = [builder.shuffle_vector(start, start, const_vec(I32, PAIR_LANE_QUADS[8 * h:8 * h + 8]))
                               for h in (0, 1)]
             if in_lanes is not None:  # the two halves' dots added: each row's whole block dot in its 4 lanes
                 for p, pair in enumerate(nibbles):
@@ -350,19 +354,19 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
                 start = concat(builder, *starts) if starts[0] is not None else None
                 for p, pair in enumerate(nibbles):
                     if scales_in_memory:
-                        at = builder.gep(scales_at, [ir.Constant(I64, 8 * (n_pairs * j + p))])
-                        scale = builder.load(builder.bitcast(at, vec(F32, 8).as_pointer()), align=4)
-                        scale = builder.shuffle_vector(scale, scale, const_vec(I32, list(range(8)) * 2))
+                        at = builder.gep(scales_at, [ir.Constant(I64, n_rows * j + 2 * p)])
+                        scale = builder.load(builder.bitcast(at, vec(F32, 2).as_pointer()), align=4)
+                        scale = builder.shuffle_vector(scale, scale, const_vec(I32, PAIR_LANE_ROWS))
                     else:
                         scale = builder.shuffle_vector(scales, scales,
-                                                       const_vec(I32, ([2 * p] * 4 + [2 * p + 1] * 4) * 2))
+                                                       const_vec(I32, [2 * p + r for r in PAIR_LANE_ROWS]))
                         scale = builder.fpext(scale, vec(F64, 2 * LANES)) if acc_t is F64 else scale
                     quads = quad_dot(builder, pair, x_both, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
                     slot = acc_slots[p, j, 0]
                     builder.store(fmuladd(builder, scale, builder.sitofp(quads, vec(acc_t, 2 * LANES)),
                                           builder.load(slot)), slot)
             for p, pair in enumerate(nibbles) if not halves_512 else ():
-                scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p] * 4 + [2 * p + 1] * 4))
+                scale = builder.shuffle_vector(scales, scales, const_vec(I32, [2 * p + r for r in PAIR_LANE_ROWS[:LANES]]))
                 scale = builder.fpext(scale, vec(F64, LANES)) if acc_t is F64 else scale
                 for h, (quants, x_half, start) in enumerate(zip(pair, x_halves, starts)):
                     quads = quad_dot(builder, quants, x_half, w_unsigned=biased or fmt in _WITH_MIN, acc=start)
@@ -390,7 +394,8 @@ def _emit_pair_dots(builder, fmt: str, acc_t: ir.Type, fields: dict, n_rows: int
     for j in tokens:
         pairs = [halves(builder, builder.load(acc_slots[p, j, 0])) if halves_512 else
                  (builder.load(acc_slots[p, j, 0]), builder.load(acc_slots[p, j, 1])) for p in range(n_pairs)]
-        sums = hsum_float_8_halved(builder, [builder.fadd(low, high) for low, high in pairs])
+        firsts = [builder.fadd(low, high) for low, high in pairs]  # each lane a_i + a_(i+4) of its row
+        sums = hsum_float_8_halved(builder, [builder.shuffle_vector(v, v, const_vec(I32, _ROWS_FIRST)) for v in firsts])
         if fmt in _WITH_MIN:
             summs = builder.load(summs_slots[j])
             sums = builder.fadd(sums, builder.shuffle_vector(summs, summs, const_vec(I32, [at_lane.index(v)
@@ -547,6 +552,9 @@ assert all(rows % tile[0] == 0 for rows, tile in _PACKING.values())
 # The tiles of the nibble formats read the activations in the paired layout (PAIRED_TILES), Q8_0's
 # 512-bit ones in the starts layout (STARTS_TILES; its tile 5-7% faster, Sapphire Rapids, 1 core)
 PAIRED_TILES = tuple(fmt for fmt in _NIBBLE_PAIRS if fmt not in INTERLEAVED_NIBBLES)
+# the formats whose packed pairs of rows hold their quants in the order of the lanes they meet, where
+# it is not the rows one after the other (activations.PAIR_LANES_ALTERNATE; kernels/packing.py)
+PAIR_LANE_ORDER = PAIRED_TILES if PAIR_LANES_ALTERNATE else ()
 STARTS_TILES = ("q8_0",) if WIDE_Q8_0 else ()
 assert _BIAS["q8_0"] == STARTS_BIAS
 assert all(tile[0] % 2 == 0 for fmt, (_, tile) in _PACKING.items() if fmt in PAIRED_TILES)
