@@ -31,7 +31,8 @@ coroutines of its process (no HTTP, no JSON, no client process: the gap to ours 
 end costs); ours-3: root + 2 local workers (one thread each: the machine's
 cores are shared by three processes); llama-server: built by benchmarks/build_llama_server.sh from the
 llama.cpp sources in the llama-cpp-python sdist that pyproject.toml pins (the script runs it if the
-binary is missing). The machine may be shared: compare figures of the same run.
+binary is missing). The machine may be shared: compare figures of the same run. A 1B-class model:
+`dllama models synth --preset 1b --qtype Q4_1`, then --model models/synthetic-1b-q4_1.gguf.
 """
 
 from __future__ import annotations
