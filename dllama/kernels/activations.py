@@ -28,6 +28,8 @@ from .simd import (F32, I8, I16, I32, I64, LANES, X86_WIDE_RUNS, call_llvm, cons
 PAIR_LANES_ALTERNATE = X86_WIDE_RUNS
 PAIR_LANE_ROWS = tuple(k % 2 if PAIR_LANES_ALTERNATE else k % 8 // 4 for k in range(16))
 PAIR_LANE_QUADS = tuple(4 * (k // 8) + (k % 8 // 2 if PAIR_LANES_ALTERNATE else k % 4) for k in range(16))
+# the value of a block that each of the 64 bytes of its 16 lanes meets (lane k's bytes 4k .. 4k+3)
+PAIR_LANE_VALUES = tuple(4 * quad + i for quad in PAIR_LANE_QUADS for i in range(4))
 
 
 def round_f16(a: np.ndarray) -> np.ndarray:
@@ -56,8 +58,7 @@ def _emit_q8_block(builder, x_row, q_row, d_row, ds_row, b, paired_row=None, bia
         builder.store(round_to_f16(builder, value), builder.gep(row, [b]))  # (d*s in f32 first)
     if paired_row is not None:
         at = builder.gep(paired_row, [builder.mul(b, ir.Constant(I64, PAIRED_BLOCK_BYTES))])
-        order = [4 * quad + i for quad in PAIR_LANE_QUADS for i in range(4)]
-        halves = builder.shuffle_vector(q8, q8, const_vec(I32, order))
+        halves = builder.shuffle_vector(q8, q8, const_vec(I32, PAIR_LANE_VALUES))
         builder.store(halves, builder.bitcast(at, vec(I8, 2 * QK).as_pointer()), align=1)
         fours = [builder.shuffle_vector(q, q, const_vec(I32, range(i, QK, 4))) for i in range(4)]  # exact integers
         sums = builder.mul(builder.add(builder.add(fours[0], fours[1]), builder.add(fours[2], fours[3])),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant import FORMATS, QType
-from .activations import PAIR_LANE_QUADS, PAIR_LANE_ROWS
+from .activations import PAIR_LANE_ROWS, PAIR_LANE_VALUES
 from .simd_q8 import INTERLEAVED_NIBBLES, PACK_ROWS, PAIR_LANE_ORDER
 from .simd_q8k import K_PACK_ROWS
 
@@ -101,10 +101,9 @@ def _interleave(blocks: np.ndarray, qtype: QType) -> None:
 
 # Where byte j of a pair's 32 quant bytes in lane order comes from in its two rows' 16 + 16: lane j // 4
 # (of the low nibbles' 8; the high nibbles' are in the same bytes) holds four bytes of its row's
-_LANE_BYTES = np.array([16 * PAIR_LANE_ROWS[k] + 4 * PAIR_LANE_QUADS[k] + i for k in range(8) for i in range(4)])
+_LANE_BYTES = np.array([16 * PAIR_LANE_ROWS[j // 4] + PAIR_LANE_VALUES[j] for j in range(32)])
 # ... and bit 32h + j of a pair's two fifth-bit words (Q5), where in its rows' two: value 16h + (byte j's)
-_LANE_BITS = np.array([32 * PAIR_LANE_ROWS[k] + 16 * h + 4 * PAIR_LANE_QUADS[k] + i
-                       for h in (0, 1) for k in range(8) for i in range(4)])
+_LANE_BITS = np.array([32 * PAIR_LANE_ROWS[j // 4] + 16 * h + PAIR_LANE_VALUES[j] for h in (0, 1) for j in range(32)])
 
 
 def _reorder(field: np.ndarray, order: np.ndarray, back: bool) -> None:

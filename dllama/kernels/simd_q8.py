@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from ..quant import FORMATS, QType
-from .activations import (PAIR_LANE_QUADS, PAIR_LANE_ROWS, PAIR_LANES_ALTERNATE, PAIRED_BLOCK_BYTES, STARTS_BIAS,
+from .activations import (PAIR_LANE_QUADS, PAIR_LANE_ROWS, PAIR_LANE_VALUES, PAIR_LANES_ALTERNATE, PAIRED_BLOCK_BYTES, STARTS_BIAS,
                           STARTS_BLOCK_BYTES)
 from .simd import (F16, F32, F64, I8, I16, I32, I64, LANES, X86_16_REGISTERS, X86_32_REGISTERS, X86_GFNI, X86_MADDUBS,
                    X86_VNNI, X86_WIDE_DOTS, X86_WIDE_RUNS, InLanes, bits_to_bytes, block_intrinsics, concat, const_vec,
@@ -238,8 +238,8 @@ INTERLEAVED_NIBBLES = ("q4_1",) if X86_VNNI and not WIDE_HALVES else ()
 # the formats whose 512-bit tiles split their nibbles with one GFNI instruction (simd.wide_nibbles)
 _GFNI_NIBBLES = ("q4_1",)
 # GGML's lanes 0-3 of a block dot sum values 0-15, lanes 4-7 values 16-31: the activation halves, each
-# lane's four values as the pair's lanes meet them (activations.PAIR_LANE_QUADS)
-_X_HALVES = tuple([4 * PAIR_LANE_QUADS[8 * h + k] + i for k in range(8) for i in range(4)] for h in (0, 1))
+# lane's four values as the pair's lanes meet them (activations.PAIR_LANE_VALUES)
+_X_HALVES = (list(PAIR_LANE_VALUES[:32]), list(PAIR_LANE_VALUES[32:]))
 # A pair's fifth bits (Q5: its two words' 64 bits) that its low nibbles' 32 bytes take, then its high
 # nibbles': each row's in turn, or in lane order, as packing.py puts them (PAIR_LANE_ORDER)
 _FIFTH_BITS = ([[*range(16 * h, 16 * h + 16), *range(32 + 16 * h, 48 + 16 * h)] for h in (0, 1)],
