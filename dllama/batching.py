@@ -51,7 +51,7 @@ from collections import deque
 
 from .engine import Engine, SeqInput
 from .errors import DllamaError
-from .generate import Generation, Stream, _common_prefix
+from .stream import Generation, Stream, _common_prefix
 from .kv_cache import round_capacity
 from .step import MAX_STEP_TOKENS
 

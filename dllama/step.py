@@ -169,7 +169,7 @@ class NodeStep:
     the node's process group, or nowhere when it runs alone (group None)."""
 
     def __init__(self, model: ShardModel, group, codec: str | None, preemption=None):
-        """preemption (engine.Preemption, a node alone): its sync points wait for preempting steps."""
+        """preemption (compute_thread.Preemption, a node alone): its sync points wait for preempting steps."""
         self.model = model
         self.group = group
         self.codec = codec

@@ -14,7 +14,8 @@ import pytest
 from dllama.batching import PREFILL_CHUNK_WHILE_DECODING, PREFILL_DELAY_BUDGET, STEP_KINDS
 from dllama.cli.common import open_runtime
 from dllama.engine import LocalEngine, SeqInput
-from dllama.generate import Generator, _common_prefix
+from dllama.generate import Generator
+from dllama.stream import _common_prefix
 from dllama.kv_cache import bytes_per_position
 from dllama.plan import default_kv_budget
 from dllama.sampling import SamplingParams

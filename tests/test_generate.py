@@ -10,7 +10,8 @@ import pytest
 
 from dllama.engine import LocalEngine
 from dllama.errors import ContextOverflow, DllamaError
-from dllama.generate import Generator, _StopEmitter
+from dllama.generate import Generator
+from dllama.stream import _StopEmitter
 from dllama.sampling import SamplingParams
 from dllama.tokenizer import StreamDecoder
 

@@ -20,7 +20,8 @@ import pytest
 
 from dllama.cli.common import open_runtime
 from dllama.engine import LocalEngine
-from dllama.generate import Generator, _common_prefix
+from dllama.generate import Generator
+from dllama.stream import _common_prefix
 from dllama.sampling import SamplingParams
 from dllama.server import ServerConfig, make_app
 from dllama.server.app import SERVER

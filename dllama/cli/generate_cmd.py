@@ -11,7 +11,8 @@ import time
 import click
 
 from ..errors import DllamaError
-from ..generate import Generator, peak_rss_mb
+from ..generate import Generator
+from ..stream import peak_rss_mb
 from ..sampling import SamplingParams, target_logprob
 from .common import (cluster_options, info, model_options, open_runtime, read_text_file, run_async,
                      sampling_options, sampling_params, stdout_write)

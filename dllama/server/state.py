@@ -17,7 +17,8 @@ from aiohttp import web
 from .. import __version__
 from ..cluster.node import rss_mb
 from ..errors import ContextOverflow, DllamaError, ModelError
-from ..generate import Generation, Generator
+from ..generate import Generator
+from ..stream import Generation
 from ..sampling import SamplingParams
 from . import metrics as prom
 from .connections import ConnectionCounts
