@@ -22,10 +22,19 @@ from .kernels.ops import log_sum_exp, top_k
 
 MAX_CANDIDATES = 256  # per node, per position
 
+# The ranges where the math stays finite for any finite float32 logit (up to 3.4e38): logit / T within
+# float64's range needs T >= ~1e-270; below MIN_TEMPERATURE (subnormals included) a softmax is one-hot
+# on the best logit but for exact ties, so sampling is greedy there, the limit it tends to. A penalized
+# logit is clipped to float32's range; the penalty's bounds keep realistic logits far inside it.
+MIN_TEMPERATURE = 1e-10
+MAX_TEMPERATURE = 1e6  # (beyond: a uniform choice among the candidates, to float64's precision)
+REPEAT_PENALTY_RANGE = (1e-3, 1e3)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.8  # 0: greedy
+    temperature: float = 0.8  # 0 (or below MIN_TEMPERATURE): greedy
     top_k: int = 40  # 0: no limit (up to MAX_CANDIDATES per node)
     top_p: float = 0.9  # 1.0: no nucleus cut
     repeat_penalty: float = 1.0  # llama.cpp style: 1.0 is off
@@ -34,7 +43,27 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
+
+    def problem(self) -> tuple[str, str] | None:
+        """(field, why) of the first value outside the ranges where sampling is defined, else None."""
+        def bad_number(value, lo, hi):
+            return isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi
+
+        if bad_number(self.temperature, 0.0, MAX_TEMPERATURE):
+            return "temperature", f"must be a number from 0 to {MAX_TEMPERATURE:g} (0 is greedy)"
+        if bad_number(self.top_p, 0.0, 1.0):
+            return "top_p", "must be a number from 0 to 1"
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            return "top_k", "must be a whole number >= 0 (0: no cut)"
+        if bad_number(self.repeat_penalty, *REPEAT_PENALTY_RANGE):
+            lo, hi = REPEAT_PENALTY_RANGE
+            return "repeat_penalty", f"must be a number from {lo:g} to {hi:g} (1 is off)"
+        if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
+            return "repeat_last_n", "must be a whole number >= 0"
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            return "seed", "must be a whole number"
+        return None
 
     @property
     def n_candidates(self) -> int:
@@ -75,7 +104,9 @@ def apply_repeat_penalty(logits: np.ndarray, vocab_start: int, recent: list[int]
     ids = np.unique(np.asarray(recent, np.int64)) - vocab_start
     ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
     values = logits[ids]
-    logits[ids] = np.where(values > 0, values / penalty, values * penalty)
+    penalty = np.float32(penalty)  # float32 arithmetic, as llama.cpp's
+    with np.errstate(over="ignore"):  # clipped: a finite logit stays finite (an infinite one makes the sums NaN)
+        logits[ids] = np.clip(np.where(values > 0, values / penalty, values * penalty), -_FLOAT32_MAX, _FLOAT32_MAX)
 
 
 def summarize(logits: np.ndarray, vocab_start: int, params: SamplingParams, recent: list[int] = (),

@@ -18,7 +18,7 @@ from msgspec import Meta
 from .errors import ContextOverflow
 from .kv_cache import MAX_SLOTS, POSITION_STEP, round_capacity
 from .model import ShardModel, Span
-from .sampling import MAX_CANDIDATES, LogitSummary, SamplingParams, summarize
+from .sampling import MAX_CANDIDATES, MAX_TEMPERATURE, REPEAT_PENALTY_RANGE, LogitSummary, SamplingParams, summarize
 from .wire import InvalidMessage, WireStruct, finite
 
 PREFILL_CHUNK = 256  # tokens per step while reading a prompt (bounds activation memory)
@@ -31,10 +31,10 @@ TokenId = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 class StepSampling(WireStruct):
     """SamplingParams as the nodes use them (the seed stays with the root's sampler)."""
 
-    temperature: Annotated[float, Meta(ge=0)]
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)]
     top_k: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
     top_p: Annotated[float, Meta(ge=0, le=1)]
-    repeat_penalty: Annotated[float, Meta(gt=0)]
+    repeat_penalty: Annotated[float, Meta(ge=REPEAT_PENALTY_RANGE[0], le=REPEAT_PENALTY_RANGE[1])]
     repeat_last_n: Annotated[int, Meta(ge=0, le=MAX_CTX)]
 
     def __post_init__(self):

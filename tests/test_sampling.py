@@ -252,3 +252,56 @@ def test_greedy_summaries_skip_the_log_sum_exp_unless_a_target_asks():
         global_lse([s])
     with_target = summarize(logits_row(7), 0, greedy, target=3)
     assert with_target.lse == pytest.approx(log_sum_exp_ref(logits_row(7)), rel=1e-14)
+
+
+# ------------------------------------------------------------------ extremes: never NaN
+
+
+_F32 = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-308, 1e-12, 1e-10, 1e-5, 0.7, 2.0, 1e6])
+@pytest.mark.parametrize("penalty", [1.0, 1e-3, 1e3])
+def test_extreme_logits_and_parameters_give_a_valid_pick(temperature, penalty):
+    """Whatever finite logits a model gives (float32's largest, both signs, ties, a lone huge one) and
+    whatever temperature and penalty pass the checks, a split summary picks a real candidate with
+    no NaN on the way (numpy's warnings are errors here: a NaN probability was a 500 before)."""
+    rows = [np.array([_F32, -_F32, 0.0, 1e-45, _F32, -1.0] * 50, np.float32),
+            np.full(300, -_F32, np.float32),
+            np.full(300, 7.0, np.float32),
+            np.where(np.arange(300) == 123, _F32, -_F32).astype(np.float32),
+            logits_row(3, 300, scale=1e30)]
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=0.95, repeat_penalty=penalty, seed=5)
+    assert params.problem() is None
+    for row in rows:
+        with np.errstate(invalid="raise", divide="raise", over="raise"):
+            for n in (1, 3):
+                summaries = split_summaries(row, params, n, seed=n, recent=list(range(0, 300, 7)))
+                assert all(s.lse is None or np.isfinite(s.lse) for s in summaries)
+                assert all(np.isfinite(s.logits).all() for s in summaries)
+                token = Sampler(params).pick(summaries)
+                assert 0 <= token < len(row)
+
+
+def test_a_temperature_below_the_minimum_is_greedy():
+    """A subnormal temperature (1e-308, 5e-324: logit / T leaves float64) picks as temperature 0 does,
+    its ties included; the smallest temperature that samples keeps its math finite."""
+    from dllama.sampling import MIN_TEMPERATURE
+
+    row = logits_row(11)
+    row[[5, 900]] = row.max() + 1  # a tie for the best: greedy takes the lowest id
+    for t in (5e-324, 1e-308, MIN_TEMPERATURE / 2):
+        params = SamplingParams(temperature=t, seed=1)
+        assert params.greedy
+        assert Sampler(params).pick(split_summaries(row, params, 3)) == 5
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e7),
+    ("temperature", "1"), ("top_p", -0.1), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", -1), ("top_k", 1.5),
+    ("repeat_penalty", 0.0), ("repeat_penalty", 1e-308), ("repeat_penalty", -1.0), ("repeat_penalty", 1e4),
+    ("repeat_penalty", float("nan")), ("repeat_last_n", -1), ("seed", 1.5), ("top_k", True)])
+def test_values_outside_the_ranges_are_named(field, value):
+    params = SamplingParams(**{field: value})
+    assert params.problem() is not None and params.problem()[0] == field

@@ -139,6 +139,62 @@ def test_an_emoji_in_escapes_is_text(server):
     assert status == 200, ok
 
 
+# ------------------------------------------------------------------ every field that reaches the sampler
+
+EDGE_VALUES = [0, -1, 5e-324, 1e-308, 1e308, 10 ** 30, "1", True, [], {}]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "repeat_penalty", "seed", "frequency_penalty",
+                                   "presence_penalty", "logit_bias", "max_tokens", "n"])
+def test_sampling_fields_at_their_edges_are_400_or_defined(server, field):
+    """Each field at 0, negative, subnormal, huge and of the wrong type: a 400 naming the field, or an
+    answer, never a 5xx (a subnormal temperature was a 503 with a traceback, and turned /health
+    red). NaN and infinities: test_non_finite_numbers_are_400."""
+    answers = {}
+    for value in EDGE_VALUES:
+        status, _h, body = post(server, "/v1/chat/completions", chat(**{field: value}, max_tokens=2)
+                                if field != "max_tokens" else chat(**{field: value}))
+        assert status in (200, 400), (field, value, status, body)
+        if status == 400:
+            assert body["error"]["param"] == field and "Traceback" not in body["error"]["message"], body
+        else:
+            answers[repr(value)] = body["choices"][0]["message"]["content"]
+    assert get(server, "/health")[0] == 200
+    if field == "temperature":  # below sampling.MIN_TEMPERATURE it is greedy: temperature 0's answer
+        assert answers["5e-324"] == answers["1e-308"] == answers["0"], answers
+        assert set(answers) == {"0", "5e-324", "1e-308"}, answers  # -1, 1e308 (above 2) and the wrong types: 400
+    if field == "repeat_penalty":  # (0, 1e3]: 1e-308 gave garbage with divide-by-zero warnings
+        assert answers == {}, answers
+
+
+def test_a_failed_request_is_its_own_error_not_the_server_s_health(loaded):
+    """A request whose generation fails gets its error; /health (what a load balancer probes) and
+    /metrics' readiness reflect the engine and its nodes, which are fine, and the next request is
+    answered. Before, the last request's failure made /health 503 until another one succeeded."""
+    url, state = serve(loaded)
+    engine = loaded[1].engine
+    real_forward = engine._forward
+    calls = []
+
+    async def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug met by one request")
+        return await real_forward(*args, **kwargs)
+
+    engine._forward = failing_once
+    try:
+        status, _h, body = post(url, "/v1/chat/completions", chat(max_tokens=3))
+        assert status >= 500 and body["error"]["code"] == "engine_error", body
+        status, text = get(url, "/health")
+        assert status == 200 and json.loads(text)["status"] == "ok", text
+        assert metrics(url)[("dllama_up", ())] == 1
+        status, _h, body = post(url, "/v1/chat/completions", chat(max_tokens=3))
+        assert status == 200, body
+    finally:
+        engine._forward = real_forward
+
+
 # ------------------------------------------------------------------ slow and idle clients
 
 

@@ -100,8 +100,12 @@ def sampling_options(f):
 
 
 def sampling_params(opts: dict) -> SamplingParams:
-    return SamplingParams(temperature=opts["temperature"], top_p=opts["top_p"], top_k=opts["top_k"],
-                          repeat_penalty=opts["repeat_penalty"], seed=opts["seed"])
+    params = SamplingParams(temperature=opts["temperature"], top_p=opts["top_p"], top_k=opts["top_k"],
+                            repeat_penalty=opts["repeat_penalty"], seed=opts["seed"])
+    problem = params.problem()  # (click's ranges let NaN and infinities through)
+    if problem:
+        raise DllamaError(f"--{problem[0].replace('_', '-')} {problem[1]}")
+    return params
 
 
 @dataclass

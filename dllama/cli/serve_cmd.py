@@ -14,7 +14,7 @@ from click.core import ParameterSource
 
 from ..kv_cache import MAX_SLOTS
 from .common import (cluster_options, info, model_options, open_runtime, require_credential_off_loopback, run_async,
-                     sampling_options)
+                     sampling_options, sampling_params)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core machine (benchmarks/bench_serve.py)
@@ -63,6 +63,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     api_key = api_key or None  # DLLAMA_API_KEY= (empty) means no key
     require_credential_off_loopback(host, api_key, insecure, what="API key", how="--api-key KEY (or DLLAMA_API_KEY)",
                                     whom="it")
+    sampling_params(opts)  # the options' ranges, checked as the other commands check them
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 7  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
+PROTOCOL_VERSION = 8  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
 # 5: steps of several sequences, each with its KV cache slot (continuous batching); 6: a step's
 # copies made layer by layer after its keys and values (a source may compute them in that step);
-# 7: a greedy position's summary carries no log-sum-exp (None) unless a target asks for it
+# 7: a greedy position's summary carries no log-sum-exp (None) unless a target asks for it;
+# 8: a temperature below sampling.MIN_TEMPERATURE is greedy, sampling fields within sampling's ranges
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..sampling import SamplingParams
+from ..sampling import REPEAT_PENALTY_RANGE, SamplingParams
 from .api_errors import bad_request
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
@@ -83,7 +83,7 @@ def _common(body: dict, kind: str, defaults: SamplingParams, max_tokens_limit: i
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0),
         top_k=_integer(body, "top_k", defaults.top_k, lo=0),  # llama.cpp's extension
-        repeat_penalty=_number(body, "repeat_penalty", defaults.repeat_penalty, 0.0, None, open_lo=True),
+        repeat_penalty=_number(body, "repeat_penalty", defaults.repeat_penalty, *REPEAT_PENALTY_RANGE),
         seed=defaults.seed if seed is None else seed % (1 << 64),  # numpy's generator takes non-negative seeds
     )
     stream = _bool(body, "stream", False)
@@ -205,7 +205,7 @@ def _stop(value) -> list[str]:
     return [s for s in value if s]
 
 
-def _number(body: dict, name: str, default, lo: float | None, hi: float | None, open_lo: bool = False):
+def _number(body: dict, name: str, default, lo: float | None, hi: float | None):
     value = body.get(name)
     if value is None:
         return default
@@ -217,8 +217,8 @@ def _number(body: dict, name: str, default, lo: float | None, hi: float | None, 
         value = math.inf
     if not math.isfinite(value):  # parse_json refuses NaN and infinities already; a direct caller may not
         raise bad_request(f"'{name}' must be a finite number.", name)
-    if (lo is not None and (value <= lo if open_lo else value < lo)) or (hi is not None and value > hi):
-        bounds = f"{'above' if open_lo else 'at least'} {lo:g}" + (f" and at most {hi:g}" if hi is not None else "")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"at least {lo:g}" + (f" and at most {hi:g}" if hi is not None else "")
         raise bad_request(f"'{name}' is {value:g}; it must be {bounds}.", name)
     return float(value)
 

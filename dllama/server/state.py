@@ -72,7 +72,6 @@ class ServerState:
         self.generator: Generator | None = None
         self.metrics = prom.Metrics()
         self.pending = 0  # generation requests taken: those generating and those waiting
-        self.last_error: str | None = None  # of the last generation, cleared by the next success
         self.connections = ConnectionCounts()  # kept by the connection guard of start_server
         # the key's digest: compared with the digest of what a request sends, so the comparison
         # takes the same time whatever the lengths (hmac.compare_digest only hides the content)
@@ -111,10 +110,7 @@ class ServerState:
         if self.engine is None:
             return 503, {"status": "loading", "model": self.config.model_name}
         nodes = self.nodes()
-        # a worker that is down is no failure while the others carry on (the engine re-plans);
-        # a generation that failed is, until one succeeds (each request first tries to re-admit
-        # missing workers, so requests are still taken)
-        problem = self.last_error
+        problem = self.problem()
         engine = self.engine
         body = {"status": "error" if problem else "ok", "model": self.config.model_name,
                 "nodes": sum(n["up"] for n in nodes),
@@ -128,6 +124,17 @@ class ServerState:
         if engine.events:
             body["last_event"] = engine.events[-1]  # the cluster's last failure or recovery
         return (503 if problem else 200), body
+
+    def problem(self) -> str | None:
+        """Why the server cannot answer now (None: it can): the cluster's state, never one request's
+        outcome (a request that fails is that request's error; anyone could send one). A worker that
+        is down is no problem while the others carry on (the engine re-plans onto them)."""
+        engine = self.engine
+        if engine.failed:  # a cluster that could not recover (--no-recover, or no node left)
+            return engine.failed
+        if engine.compute.stopped:
+            return "the engine's compute thread has stopped"
+        return None
 
     def status(self) -> dict:
         """What the chat page's status panel shows, in one poll: /health's figures, every node in
@@ -270,10 +277,7 @@ class ServerState:
         engine = self.runtime.engine
         self.metrics.count_generation(len(ids), len(ids) - gen.prefill_tokens, gen, gen.report(engine))
         if gen.finish_reason == "error":
-            self.last_error = gen.error
             log.error("generation failed after %d tokens: %s", len(gen.tokens), gen.error)
-        else:
-            self.last_error = None
 
     @staticmethod
     def _usage(ids: list[int], gen: Generation) -> dict:
@@ -289,7 +293,7 @@ class ServerState:
                 "sync": sync.algo if sync else "", "sync_dtype": sync.dtype if sync else "",
                 "sync_mode": sync.mode if sync else ""}
         families = self.metrics.families(
-            ready=engine is not None and self.last_error is None, queue_length=self.queue_length(),
+            ready=engine is not None and self.problem() is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=0 if engine is None else len(engine.events),
             ctx_size=0 if engine is None else engine.ctx_size,
             kv_cached=0 if engine is None else sum(len(c) for c in engine.contexts),
