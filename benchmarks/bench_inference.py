@@ -111,7 +111,10 @@ def measure_llama_cpp(path: str, threads: int, prompt: list[int], decode: int, r
         llm.eval(prompt)
         prefill.append(len(prompt) / (time.perf_counter() - t0))
         for _ in range(decode):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # the last position's logits as llama.cpp holds them: with logits_all=False llama-cpp-python
+            # keeps no scores (its rows are sized to the batch, so row n_tokens - 1 stops at 512)
+            token = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                                        shape=(llm.n_vocab(),))))
             t0 = time.perf_counter()
             llm.eval([token])
             steps.append(time.perf_counter() - t0)
