@@ -1,9 +1,9 @@
 """Model architectures as small declarative descriptions: which GGUF tensors a model of the family
 has, which metadata keys it reads, and the choices the forward pass makes (RoPE style, ...).
 
-Never silently wrong: a GGUF tensor the description does not consume, or a metadata key that
-changes the math and is not implemented (or has a value that is not), is refused with one line
-naming it, rather than ignored (an unused bias or an ignored RoPE scaling gives fluent, wrong text).
+`check_tensors` and `check_metadata` refuse, with one line naming it, a GGUF tensor the
+description does not consume and a metadata key that changes the math and is not implemented (or
+a value of it that is not). Why, the families and how to add one: docs/architectures.md.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ _POST_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 class Architecture:
     """A family of models: its tensors per layer (required, and optional ones that the forward
     pass applies when the file has them), the metadata keys it reads beyond every family's, and
-    the choices the forward pass makes. The forward pass (model.py) is one function for all of
-    them: what a layer has (biases, QK-norm, post-norms, experts) is what it computes."""
+    the choices the forward pass (model.py, one function for all of them) makes."""
 
     name: str
     rope_neox: bool  # NeoX RoPE pairs dim i with i + n/2 (GPT-NeoX, Qwen, Gemma); else 2i with 2i+1 (Llama)

@@ -1,11 +1,8 @@
 """A block-format weight matrix with its rows interleaved by 2, 4 or 8, made once at load.
 
-Decode reads every weight once per token from DRAM. One row after another, each row's dot is one
-chain of fused multiply-adds (GGML's order), bound by the FMA's latency, not by memory: ~13 GB/s
-on Q4_0 on one Zen 4 core. Four rows at once make four independent chains, but four rows of the
-file's layout are four short streams, which the hardware prefetcher does not follow (measured 2x
-slower from DRAM). So the rows are stored as llama.cpp's repacked formats do: block b of rows
-ng .. ng+n-1 together, then block b+1, so that n rows are one sequential stream. Within a block of
+The rows are stored as llama.cpp's repacked formats do: block b of rows ng .. ng+n-1 together,
+then block b+1, so that n rows' independent chains read one sequential stream (why, with the
+figures: docs/kernels.md#packing). Within a block of
 n rows the fields go one after another (every row's scale, then every row's quants, ...): the
 scales are one vector load, and two rows' nibbles one 32-byte load (simd_q8.py `_emit_pair_dots`,
 in the order of the lanes they meet: activations.PAIR_LANE_ROWS; where simd_q8.INTERLEAVED_NIBBLES says so, a pair's nibbles interleaved value by value, so that a

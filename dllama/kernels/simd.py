@@ -4,10 +4,10 @@ Two reasons to spell the dots out as IR through numba intrinsics instead of writ
 - Speed: numba types integer arithmetic at machine width (int64), so a loop over int8 quants
   compiles to scalar code. Vector IR (<32 x i8> loads, widening multiplies) lowers to AVX2 on
   x86 and NEON on a Raspberry Pi.
-- Fidelity: the float accumulation order is GGML's (8 lanes, one fused multiply-add per block,
-  lanes summed as ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)) at the end; for the formats llama.cpp
-  repacks on x86, its repacked kernels' order: one float per row and token, one fused multiply-add
-  per block, LaneSums and InLanes below). Rounding differences of one ulp get amplified through a deep network
+- Fidelity: the float accumulation order is GGML's (8 lanes summed as
+  ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)) at the end; for the formats llama.cpp repacks on x86, its
+  repacked kernels' order: LaneSums and InLanes below; both in words:
+  docs/kernels.md#summation-order). Rounding differences of one ulp get amplified through a deep network
   when they flip an activation's 8-bit rounding; keeping the same order keeps our logits on top
   of llama.cpp's on x86.
 

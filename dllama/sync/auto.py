@@ -3,14 +3,9 @@
 At group setup every rank ping-pongs with its ring neighbour (small frames: latency alpha;
 256 KiB frames: seconds per byte beta) and times a local add (gamma, seconds per reduced byte);
 the ranks then agree on the worst of each (an all-reduce max), so every rank computes the same
-costs and makes the same choice. The model, for n bytes on p ranks (p2 = largest power of two
-<= p, L = log2 p2, a fold-in adds two steps when p != p2):
-
-    all_reduce  star  2a + 2(p-1)nb + (p-1)ng          mesh  a + (p-1)nb + (p-1)ng
-                ring  2(p-1)a + 2(p-1)/p nb + (p-1)/p ng
-                rd    L(a + nb + ng)                   rabenseifner  2La + 2(p2-1)/p2 nb + (p2-1)/p2 ng
-
-and likewise for the other collectives (see `_COST`). `decisions` records every choice made.
+costs and makes the same choice. The model's formulas are `_COST` below (the all-reduce's, in a
+table with what each algorithm is the choice for: docs/sync.md#algorithms). `decisions` records
+every choice made.
 """
 
 from __future__ import annotations

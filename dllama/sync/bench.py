@@ -1,6 +1,5 @@
-"""All-reduce benchmark in the style of nccl-tests: for each algorithm x size x dtype, the median
-time per call, algorithm bandwidth (size / time), bus bandwidth (algbw * 2(p-1)/p, comparable
-across p), the error against the exact float64 sum, and a correctness check.
+"""All-reduce benchmark in the style of nccl-tests: a row per algorithm x size x dtype (its columns,
+and how to run it: benchmarks/README.md).
 
 `bench_rank(group, config)` runs on every rank of a group (same config everywhere) and returns
 the rows on rank 0 (None elsewhere). dtypes name what travels: f32/f64/i32/i64 exact arrays of

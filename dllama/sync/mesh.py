@@ -1,6 +1,6 @@
 """Mesh: every rank sends its whole partial to every other rank and each sums all p partials
-itself, in rank order, so the results are bit-identical. One step (lowest latency for small
-messages, distributed-llama's scheme); (p-1)n bytes each way per rank.
+itself, in rank order, so the results are bit-identical. One step, distributed-llama's scheme
+(its cost: docs/sync.md#algorithms).
 
 With a codec each rank encodes its partial once and sums the decoded values, its own included.
 """

@@ -1,5 +1,5 @@
-"""Rabenseifner: reduce-scatter by recursive halving, then all-gather by recursive doubling.
-2 log2(p) steps and 2(p-1)/p * n bytes per rank: ring's bandwidth with log-many latencies.
+"""Rabenseifner: reduce-scatter by recursive halving, then all-gather by recursive doubling
+(its cost: docs/sync.md#algorithms).
 
 Recursive halving: in round i (distance p2/2, p2/4, ... 1) each rank keeps half of the range it
 is responsible for, sends the other half to its partner and adds the partner's copy of the

@@ -1,5 +1,5 @@
 """Recursive doubling: log2(p) rounds; in round i rank v swaps its whole vector with v xor 2^i and
-both combine. Few steps but n bytes per round: the choice for small messages on many ranks.
+both combine (its cost: docs/sync.md#algorithms).
 Both partners compute x (op) y from the same two vectors, and every op is commutative, so all
 ranks end bit-identical. With a codec both partners encode before each swap and keep the
 decoded value.

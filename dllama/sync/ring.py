@@ -1,5 +1,5 @@
-"""Ring: reduce-scatter then all-gather around the ring r -> r+1, 2(p-1) steps, each rank sending
-and receiving 2(p-1)/p * n bytes: bandwidth-optimal, so the choice for big messages.
+"""Ring: reduce-scatter then all-gather around the ring r -> r+1, 2(p-1) steps (its cost:
+docs/sync.md#algorithms).
 
 Segments travel in chunks: a chunk is reduced as soon as it arrives and passed on at once, so
 receiving, reducing and sending overlap. Receives are posted a step ahead into alternating

@@ -1,6 +1,5 @@
 """Star (master-worker): every rank sends its partial to rank 0, which reduces and sends the
-result back. Two steps; rank 0 carries (p-1)n bytes each way, so it is the bottleneck for big
-messages and the simplest choice for tiny ones.
+result back. Two steps; rank 0 carries (p-1)n bytes each way (its cost: docs/sync.md#algorithms).
 
 Only all-reduce is its own; the other collectives are the base's linear ones (through a root).
 """
