@@ -202,6 +202,18 @@ def test_invalid_option_values(model_path, args, fragment):
     assert result.returncode == 2
 
 
+@pytest.mark.parametrize("command", ["inference", "chat", "serve"])
+@pytest.mark.parametrize("args, fragment", [(("--temperature", "nan"), "--temperature"),
+                                            (("--temperature", "inf"), "--temperature"),
+                                            (("--repeat-penalty", "1e-308"), "--repeat-penalty"),
+                                            (("--top-p", "nan"), "--top-p")])
+def test_sampling_options_outside_their_ranges(model_path, command, args, fragment):
+    """click's ranges let NaN and infinities through, and a subnormal penalty sent logits to
+    infinity: each is one error line naming the option, before anything loads."""
+    extra = ("--prompt", "hi") if command == "inference" else ()
+    assert_one_line_error(dllama(command, "--model", model_path, *extra, *args), fragment)
+
+
 def test_a_prompt_that_is_not_utf8(model_path):
     """Bytes that are not UTF-8 reach Python as lone surrogates; the tokenizer could not encode them."""
     result = dllama("inference", "--model", model_path, "--prompt", os.fsdecode(b"a\xffb"), "--steps", "2")
