@@ -9,22 +9,33 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -
 # (x86 with GCC 11+ or clang: -march=native keeps the other features, AVX-512 where the CPU has it)
 AMX_OFF   := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 NO_AMX    := $(shell cc $(AMX_OFF) -E -x c /dev/null >/dev/null 2>&1 && echo '$(AMX_OFF)')
+# only the library the bindings load: not the multimodal one (mtmd, loaded only by llava chat handlers),
+# tools, examples or tests (benchmarks/build_llama_server.sh builds llama-server)
+LLAMA_LIB_ONLY := -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+                  -DLLAMA_BUILD_TESTS=OFF
 LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: install model chat test aarch64 reference-avx2 browser bench bench-deps clean
+.PHONY: install llama-cpp kernels model chat test test-all aarch64 reference-avx2 browser bench bench-deps clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# llama-cpp-python builds from source here (a few minutes, once); a build with AMX, or of another
-	# version than the pinned one, is redone (without AMX; not from pip's cache, which may hold one with it)
+	$(MAKE) --jobs=2 --no-print-directory llama-cpp kernels
+	$(BIN)/python -m pip install --quiet -e '.[root,test]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+# llama-cpp-python builds from source here (a few minutes, once); a build with AMX, or of another
+# version than the pinned one, is redone (without AMX; not from pip's cache, which may hold one with it)
+llama-cpp:
 	$(BIN)/python -c 'import llama_cpp, sys; sys.exit("$(LLAMA_CPP)" != "llama-cpp-python==" + llama_cpp.__version__ \
 	    or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null \
-	    || CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" \
+	    || CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" CMAKE_ARGS="$$CMAKE_ARGS $(LLAMA_LIB_ONLY)" \
 	    $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps '$(LLAMA_CPP)'
-	$(BIN)/python -m pip install --quiet -e '.[root,test]'
+
+# meanwhile, everything else, and the kernels the default model needs (compiled once, cached)
+kernels:
+	$(BIN)/python -m pip install --quiet -e '.[serve,test]'
 	$(BIN)/python -m dllama.kernels.warmup
-	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
 
@@ -50,10 +61,19 @@ reference-avx2: install
 browser: aarch64  # after it: two apt-get runs at once could fail on the package lists' lock
 	sh tests/browser/install_chromium.sh
 
-# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles
+# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles. The suite runs in two
+# processes, a test file each at a time (pytest-xdist): most tests wait on other processes (workers,
+# servers, llama.cpp); the emulated aarch64 runs take what CPU is left (tests/test_aarch64.py)
+PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --durations 25
+
 test:
 	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
-	$(BIN)/python -m pytest -q --durations=40
+	$(PYTEST) -m "not slow"
+
+# the default suite and the tests marked slow: properties the default suite tests, at bigger sizes
+test-all:
+	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
+	$(PYTEST)
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).
 bench-deps: install
