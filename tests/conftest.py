@@ -120,10 +120,16 @@ _SUITE_REPORT: list[str] = []
 
 
 @pytest.fixture
-def report_in_summary():
+def report_in_summary(request):
     """report_in_summary(line): a line for the end of the run's summary (the runs inside a test:
-    aarch64 under qemu, the AVX2 build of llama.cpp), so a passing run says what it covered."""
-    return _SUITE_REPORT.append
+    aarch64 under qemu, the AVX2 build of llama.cpp), so a passing run says what it covered. It
+    travels with the test's report (under xdist, from the worker to the controller, which prints it)."""
+    return lambda line: request.node.user_properties.append(("inner-run", line))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _SUITE_REPORT.extend(value for key, value in report.user_properties if key == "inner-run")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -148,14 +154,16 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    """Starts the emulated aarch64 runs now, if their tests are to run, so that they use the CPU
-    the rest of the suite leaves idle (at the lowest priority) instead of running alone first."""
+    """Starts the emulated aarch64 runs the session's tests read, now, so that they use the CPU the
+    rest of the suite leaves idle (at the lowest priority) instead of running alone at the end."""
     module = None if session.config.option.collectonly else _aarch64_module(session)
     if module is not None:
-        module.start_inner_runs()
+        module.start_inner_runs(session.config, sorted({module.RUN_OF_TEST[item.name] for item in session.items
+                                                        if _is_aarch64_test(item)}))
 
 
 def pytest_sessionfinish(session):
-    module = _aarch64_module(session)
-    if module is not None:
-        module.stop_inner_runs()
+    """The run's controller (or the one process without xdist) ends the inner runs, whoever started them."""
+    from . import test_aarch64
+
+    test_aarch64.stop_inner_runs(session.config)

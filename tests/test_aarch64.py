@@ -1,12 +1,12 @@
-"""The kernels on the workers' real CPU: INNER_TESTS run on aarch64, where dllama/kernels/simd.py
-takes its NEON path (no x86 machine runs it otherwise), in an arm64 Debian chroot under qemu-user.
+"""The kernels on the workers' real CPU: the tests of what dllama/kernels/simd.py compiles per CPU run
+on aarch64, where it takes its NEON path (no x86 machine runs it otherwise), in an arm64 Debian
+chroot under qemu-user (_RUNS: as on a Pi 4, no dot product; and as on a Pi 5, sdot).
 
 `make aarch64` (tests/aarch64/build_chroot.sh, part of `make test`) builds the chroot once in
 .aarch64/. The run happens in a private mount namespace: the checkout is bind-mounted read-only
 at /src, /proc and a fresh tmpfs /tmp (numba's cache, pytest's tmp_path) are mounted, and all of
 it goes away with the process, whatever happens to it. Tests that need llama-cpp-python are
-skipped inside (tests/aarch64/inner_plugin.py). Runs side by side: every inner test as on a Pi 4
-(no dot product, in two halves), and the matmul tests compiled for a Pi 5's Cortex-A76 (sdot).
+skipped inside (tests/aarch64/inner_plugin.py).
 
 The emulated runs are single threaded CPU work, most of it LLVM compiling the kernels: started at
 the end of collection (tests/conftest.py) at the lowest priority, they use what CPU the rest of
@@ -17,28 +17,22 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-# The test files run inside (as on a Pi 4, split over two runs: _PI4_RUNS). Add files here: tests that
-# need llama.cpp skip inside by themselves; keep the total reasonable under emulation (~10x slower).
-INNER_TESTS = ["tests/test_kernels.py", "tests/test_quant.py", "tests/test_plan.py", "tests/test_batch_invariance.py"]
-
 ROOT = Path(__file__).resolve().parent.parent
 CHROOT = ROOT / ".aarch64"
 ROOTFS = CHROOT / "rootfs"
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
-# How long the outer test waits for a run once the rest of the suite is done (a hang ends there). On a
-# 2-core Zen 3 with AVX2 only (2026-11-27) the suite waited 912 s for the longest (the three runs alone
-# took 1737 s when they ran before the rest): a slower machine must not fail for time alone
+# How long a run may take from its start (a hang ends there): a slower machine must not fail for time alone
 TIMEOUT = 2400
-
-pytestmark = pytest.mark.slow
 
 
 def _skip_reason() -> str | None:
@@ -69,7 +63,7 @@ mount --bind "$SRC" "$R/src"
 mount -o remount,bind,ro "$R/src"
 mount -t proc proc "$R/proc"
 mount -t tmpfs -o size=4g tmpfs "$R/tmp"
-exec chroot "$R" /bin/sh -c 'cd /src && exec /opt/venv/bin/python -m pytest -p no:cacheprovider \
+exec chroot "$R" /bin/sh -c 'cd /src && exec /usr/bin/python3 -m pytest -p no:cacheprovider \
     -p tests.aarch64.inner_plugin --color=no "$@"' sh "$@"
 """
 
@@ -85,91 +79,144 @@ def _lowest_priority() -> None:
 
 
 class _InnerRun:
-    """pytest on the files `tests` (with `options`) in the chroot, started at once in the background
-    at the lowest priority."""
+    """pytest on the files `tests` (with `options`) in the chroot, in the background at the lowest
+    priority. Its output, its exit code (once it ends) and its process group go to files in `folder`,
+    so that under pytest-xdist any worker (or the controller, which ends it) can find it."""
 
-    def __init__(self, tests: list[str], options: list[str], extra_env: dict[str, str]):
-        self.tests = tests  # the files it runs
+    def __init__(self, folder: Path, name: str, tests: list[str], options: list[str]):
+        self.folder, self.name, self.tests, self.options = folder, name, tests, options
+        self.log, self.rc, self.pid = (folder / f"{name}.{ext}" for ext in ("log", "rc", "pid"))
+
+    def start(self, extra_env: dict[str, str]) -> None:
         (ROOTFS / "src").mkdir(exist_ok=True)
         env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
-            "R": str(ROOTFS), "SRC": str(ROOT),
+            "R": str(ROOTFS), "SRC": str(ROOT), "LOG": str(self.log), "RC": str(self.rc),
             "NUMBA_CACHE_DIR": "/tmp/numba", "HYPOTHESIS_STORAGE_DIRECTORY": "/tmp/hypothesis",
             "DLLAMA_MODELS_DIR": "/src/models",  # the read-only checkout's, which `make test` pulled
+            "PYTHONPATH": "/opt/site",  # the dependencies (tests/aarch64/build_chroot.sh)
             "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the checkout from inside
             "NUMBA_NUM_THREADS": "1",  # one core each: emulation is slow enough without a busy machine
             **extra_env,
         }
-        self.start = time.monotonic()
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _INNER, "sh",
-                                      *tests, *options], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True, preexec_fn=_lowest_priority)
-        self._result = None
+        wrapper = ('unshare --mount --propagation private sh -c "$INNER" sh "$@" > "$LOG" 2>&1; '
+                   'echo $? > "$RC.part"; mv "$RC.part" "$RC"')
+        proc = subprocess.Popen(["sh", "-c", wrapper, "sh", *self.tests, *self.options], env={**env, "INNER": _INNER},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_lowest_priority)
+        self.pid.write_text(str(proc.pid))  # (the session's leader: its group is the whole run)
 
-    def result(self) -> tuple[int, str, str, str | None, float]:
-        """(exit code, output, summary line, the plugin's check line, seconds since its start), once it
-        has ended (waiting at most TIMEOUT)."""
-        if self._result is None:
-            try:
-                out, _ = self.proc.communicate(timeout=TIMEOUT)
-            finally:
+    def result(self, deadline: float) -> tuple[int, str, str, str | None]:
+        """(exit code, output, summary line, the plugin's check line), once it has ended (waiting
+        until `deadline`, time.monotonic()'s, at most: then it is killed)."""
+        while not self.rc.exists():
+            if time.monotonic() > deadline:
                 self.kill()
-            lines = out.splitlines()
-            check = next((line for line in lines if line.startswith("aarch64-check:")), None)
-            summary = next((line.strip("= ") for line in reversed(lines)
-                            if re.search(r"\d+ (passed|failed|errors?|skipped)", line)), "(no summary)")
-            self._result = (self.proc.returncode, out, summary, check, time.monotonic() - self.start)
-        return self._result
+                return -1, self._output() + f"\n(killed: not done after {TIMEOUT} s)", "(timed out)", None
+            time.sleep(1.0)
+        out = self._output()
+        lines = out.splitlines()
+        check = next((line for line in lines if line.startswith("aarch64-check:")), None)
+        summary = next((line.strip("= ") for line in reversed(lines)
+                        if re.search(r"\d+ (passed|failed|errors?|skipped)", line)), "(no summary)")
+        return int(self.rc.read_text().strip() or -1), out, summary, check
+
+    def _output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None:  # timed out, or the run was interrupted: end the whole inner run
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        try:
+            os.killpg(int(self.pid.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # not started, or ended already
 
 
-# The Pi 4 tests in two runs, so that they and the Pi 5 run share both cores. The second runs the
-# models (test_plan, test_batch_invariance), which compile the transformer ops' kernels anyway, so it
-# also takes test_kernels' tests of those ops; the first, the matmuls, had run alone for the last
-# ~6 min of the suite. Compiling the long rows' spanned kernels under emulation takes minutes; the
-# Pi 5 run covers them (the same Span code, NEON either way), and the Pi 4 runs skip them.
-_OPS = "rmsnorm or rope or expf or exp_of or silu or gelu or softcap or attention or softmax"
-_MATMUL_RUN = ["tests/test_kernels.py", "tests/test_quant.py"]
-_PI4_RUNS = ((_MATMUL_RUN, ["-k", f"not span_by_span and not ({_OPS})"]),
-             ([*(name for name in INNER_TESTS if name not in _MATMUL_RUN), "tests/test_kernels.py"],
-              ["-k", f"not span_by_span and (not test_kernels or {_OPS})"]))
-# the Pi 5 run: the quantized matmul tests (rows as stored and packed), and that the generated code holds sdot
-_PI5_OPTIONS = ["-k", "matmul_matches_reference or matmul_rows_do_not_depend or packed_rows or sdot", "-rA"]
+# Only the tests of what is compiled per CPU run here (simd.py: the integer quad dots with and without
+# sdot, IQ4_NL's table lookup, Q5's fifth bits), i.e. the quantized matmuls; numba compiling them under
+# emulation is nearly all the cost (1-4 min for each kind of kernel: 32-value blocks, K-quants, floats;
+# as stored, packed, spanned). The rest of the kernels are the same IR on every CPU (their order is fixed
+# in it; LLVM does not reassociate floats without fast-math), and tests/test_plan.py is plain Python:
+# both run natively with the rest of the suite.
+_FIRST = "matmul_matches_reference or matmul_rows_do_not_depend"  # every format's dots, rows as stored
+_MORE = ("matmul_on_column_slices or packed_rows or lane_sums or q8_ or row_kernels or vector_out")  # column
+# slices, packed rows, the activations' layouts
+_PI4 = {"DLLAMA_NO_DOTPROD": "1"}
+_PI5 = {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"}
+_RUNS = {  # name: (files, options, environment)
+    # a Pi 4's Cortex-A72: NEON without the dot product, Q5's fifth bits in the generated code (and the
+    # quantizers, numpy on aarch64)
+    "pi4": (["tests/test_kernels.py", "tests/test_quant.py"], ["-k", f"not test_kernels or {_FIRST} or q5_fifth_bits"],
+            _PI4),
+    # a Pi 5's Cortex-A76 (ARMv8.2 dot product: sdot, which qemu implements), and sdot in the generated code
+    "pi5": (["tests/test_kernels.py"], ["-k", f"{_FIRST} or sdot", "-rA"], _PI5),
+    # the slow set (make test-all): the rest of the matmul tests on both, long rows walked span by span
+    # (the same Span code, NEON either way) on the Pi 5's
+    "pi4-more": (["tests/test_kernels.py"], ["-k", f"not span_by_span and ({_MORE})"], _PI4),
+    "pi5-more": (["tests/test_kernels.py"], ["-k", _MORE], _PI5),
+    # ... and the rest of the kernels, the split plan and whole models' batch invariance, on a Pi 4's
+    "pi4-models": (["tests/test_plan.py", "tests/test_batch_invariance.py", "tests/test_kernels.py"],
+                   ["-k", f"not span_by_span and not (test_kernels and ({_FIRST} or {_MORE} or q5_fifth_bits))"],
+                   _PI4),
+}
+# which run each test of this module reads
+RUN_OF_TEST = {"test_kernels_on_aarch64_under_qemu": "pi4", "test_dot_product_kernels_on_aarch64_under_qemu": "pi5",
+               "test_more_kernels_on_aarch64_under_qemu": "pi4-more",
+               "test_more_dot_product_kernels_on_aarch64_under_qemu": "pi5-more",
+               "test_models_on_aarch64_under_qemu": "pi4-models"}
 
 
-_STARTED: dict[str, list[_InnerRun]] = {}
+def runs_folder(config) -> Path:
+    """Where this pytest run keeps its inner runs' files: one folder per run, its xdist workers
+    included (they are the controller's children)."""
+    owner = os.getppid() if hasattr(config, "workerinput") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"dllama-aarch64-{owner}"
 
 
-def start_inner_runs() -> None:
-    """Starts the runs, together (conftest.py calls it once the session's tests are collected, when
-    they include this module's): the Pi 4 ones (every inner test, no dot product) and the Pi 5 one."""
-    if _STARTED or _skip_reason():
+def inner_run(folder: Path, name: str) -> _InnerRun:
+    tests, options, _env = _RUNS[name]
+    return _InnerRun(folder, name, tests, options)
+
+
+def start_inner_runs(config, names) -> None:
+    """Starts the runs `names`, together, once per pytest run (conftest.py calls it once the
+    session's tests are collected, with the runs they read; under xdist every worker collects the
+    same tests, and the first to make the folder starts them)."""
+    if _skip_reason() or not names:
         return
-    _STARTED["pi4"] = [_InnerRun(tests, options, {"DLLAMA_NO_DOTPROD": "1"}) for tests, options in _PI4_RUNS]
-    _STARTED["pi5"] = [_InnerRun(["tests/test_kernels.py"], _PI5_OPTIONS,
-                                 {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"})]
+    folder = runs_folder(config)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return  # started by another worker of this run
+    for name in names:
+        inner_run(folder, name).start(_RUNS[name][2])
 
 
-def stop_inner_runs() -> None:
-    """Ends whatever still runs (at the session's end, however it ends)."""
-    for run in _STARTED.get("pi4", []) + _STARTED.get("pi5", []):
-        run.kill()
+def stop_inner_runs(config) -> None:
+    """Ends whatever still runs and removes the folder (at the end of the run, by its controller)."""
+    if hasattr(config, "workerinput"):
+        return
+    folder = runs_folder(config)
+    if folder.exists():
+        for name in _RUNS:
+            inner_run(folder, name).kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def inner_runs():
+@pytest.fixture
+def inner_result(request):
+    """The result of the run this test reads: (exit code, output, summary, check line, the run)."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    start_inner_runs()  # a no-op once conftest.py started them (it is not loaded with --noconftest)
+    name = RUN_OF_TEST[request.node.name]
+    start_inner_runs(request.config, [name])  # a no-op once conftest.py started them (not loaded with --noconftest)
+    run = inner_run(runs_folder(request.config), name)
+    started = run.pid.stat().st_mtime if run.pid.exists() else time.time()
     try:
-        yield _STARTED
+        yield (*run.result(time.monotonic() + TIMEOUT - (time.time() - started)), run)
     finally:
-        stop_inner_runs()
+        run.kill()
 
 
 def _assert_ran(returncode: int, out: str, summary: str, check: str | None, tests: list[str]) -> None:
@@ -181,23 +228,52 @@ def _assert_ran(returncode: int, out: str, summary: str, check: str | None, test
     assert re.search(r"[1-9]\d* passed", summary) and not re.search(r"failed|error", summary), summary
 
 
-def test_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
-    """Every inner test on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON, no dot product)."""
-    for run in inner_runs["pi4"]:
-        returncode, out, summary, check, seconds = run.result()
-        print(f"\n{check}\naarch64 (qemu, {seconds:.0f} s): {summary}")
-        report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
-        _assert_ran(returncode, out, summary, check, run.tests)
-        assert "dotprod=False" in check, check
+def test_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """The inner tests on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON, no dot product)."""
+    returncode, out, summary, check, run = inner_result
+    print(f"\n{check}\naarch64 (qemu): {summary}")
+    report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
+    _assert_ran(returncode, out, summary, check, run.tests)
+    assert "dotprod=False" in check, check
 
 
-def test_dot_product_kernels_on_aarch64_under_qemu(inner_runs, report_in_summary):
+def test_dot_product_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The quantized matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
     by qemu, which implements sdot: the same tests, and the instruction in the generated code."""
-    run = inner_runs["pi5"][0]
-    returncode, out, summary, check, seconds = run.result()
-    print(f"\n{check}\naarch64 with sdot (qemu, {seconds:.0f} s): {summary}")
+    returncode, out, summary, check, run = inner_result
+    print(f"\n{check}\naarch64 with sdot (qemu): {summary}")
     report_in_summary(f"aarch64 with the dot product under qemu (the matmul tests of tests/test_kernels.py): {summary}")
     _assert_ran(returncode, out, summary, check, run.tests)
     assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
     assert "PASSED tests/test_kernels.py::test_quantized_dots_use_sdot_on_aarch64" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_more_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """The other matmul tests (column slices, packed rows, the activations' layouts), on a Pi 4's CPU."""
+    returncode, out, summary, check, run = inner_result
+    print(f"\n{check}\naarch64, more (qemu): {summary}")
+    report_in_summary(f"aarch64 under qemu (the other matmul tests): {summary}")
+    _assert_ran(returncode, out, summary, check, run.tests)
+    assert "dotprod=False" in check, check
+
+
+@pytest.mark.slow
+def test_more_dot_product_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """The same, long rows walked span by span among them, compiled for a Pi 5."""
+    returncode, out, summary, check, run = inner_result
+    print(f"\n{check}\naarch64 with sdot, more (qemu): {summary}")
+    report_in_summary(f"aarch64 with the dot product under qemu (the other matmul tests): {summary}")
+    _assert_ran(returncode, out, summary, check, run.tests)
+    assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
+
+
+@pytest.mark.slow
+def test_models_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """The other kernels (norms, RoPE, attention, activations), the split plan, and whole models'
+    logits independent of the chunking, on a Pi 4's CPU."""
+    returncode, out, summary, check, run = inner_result
+    print(f"\n{check}\naarch64, models (qemu): {summary}")
+    report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
+    _assert_ran(returncode, out, summary, check, run.tests)
+    assert "dotprod=False" in check, check

@@ -133,7 +133,6 @@ def test_math_keys_it_does_not_implement_are_refused(tmp_path, arch):
 # ------------------------------------------------------------------ across nodes
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-bias", "qwen2", "qwen3", "qwen3moe-tiny", "gemma3-softcap"])
 async def test_gather_mode_cluster_equals_one_node(synthetic_model, tokenizer, name):
     """Root + 2 workers in gather mode: biases sliced with their heads, QK-norm scales with them,
@@ -154,7 +153,6 @@ async def test_gather_mode_cluster_equals_one_node(synthetic_model, tokenizer, n
         assert int(best.ids[0]) == int(reference[i].argmax()), i
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-bias", "qwen2", "qwen3-tiny", "qwen3moe-tiny", "gemma3-softcap"])
 def test_each_architecture_across_worker_processes(synthetic_model, name):
     """Root + 2 `dllama worker` processes (--local-workers 2) in gather mode: the perplexity of a

@@ -49,7 +49,6 @@ def test_default_model_logits_do_not_depend_on_chunking(logits_by_chunk):
     _assert_all_equal(logits_by_chunk)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("n_workers,chunk", [(1, 7), (2, 64), (3, 512), (4, 1)])
 async def test_gather_mode_cluster_gives_the_one_node_logits(gguf_model, text_tokens, logits_by_chunk,
                                                             n_workers, chunk):

@@ -35,7 +35,7 @@ def _why_no_browser() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_no_browser() is not None, reason=str(_why_no_browser()))]
+pytestmark = [pytest.mark.skipif(_why_no_browser() is not None, reason=str(_why_no_browser()))]
 
 
 @pytest.fixture(scope="module")

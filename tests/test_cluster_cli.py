@@ -251,12 +251,11 @@ def test_root_carries_on_alone_when_its_only_worker_dies(workers, one_node_answe
     assert re.search(r"recovered in [\d.]+ s: 1 node", r.stderr), r.stderr
 
 
-IDLE_TIMEOUT = 5  # seconds; without heartbeats either side would give up on the other after this
+IDLE_TIMEOUT = 2.5  # seconds; without heartbeats either side would give up on the other after this
 
 
-@pytest.mark.slow
 def test_idle_chat_keeps_its_workers(workers):
-    """A user who thinks for 4x the timeout (5 s on both sides) between two messages: the
+    """A user who thinks for 4x the timeout (2.5 s on both sides) between two messages: the
     connections stay alive on heartbeats, so the worker logs nothing meanwhile, the root does not
     re-plan, and no weights are sent again (one session, set up once)."""
     (worker,) = workers(1, "--timeout", str(IDLE_TIMEOUT))

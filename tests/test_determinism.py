@@ -37,7 +37,6 @@ def _answers_in_every_cache_state(model_path, **sampling) -> list[tuple[str, lis
     return [cold, cached, after_other]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
                          ids=["greedy", "seeded"])
 def test_one_request_one_answer(model_path, sampling):

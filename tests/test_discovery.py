@@ -170,7 +170,6 @@ def lan():
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_workers_lists_every_advertised_worker_and_whether_it_would_be_used(lan):
     bed, listed = lan
     assert sorted(listed) == ["future", "locked", "w1", "w2", "w3"]
@@ -198,7 +197,6 @@ def _root(bed, *args):
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_auto_uses_the_compatible_workers_and_answers_as_the_fixed_list(lan):
     bed, _listed_ = lan
     fixed, _err, _t = _root(bed, *INFERENCE, "--workers", ",".join(f"{bed.addresses[i]}:{PORT}" for i in PLAIN))
@@ -211,7 +209,6 @@ def test_auto_uses_the_compatible_workers_and_answers_as_the_fixed_list(lan):
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_a_configured_worker_that_does_not_answer_is_still_an_error_with_auto(lan):
     bed, _listed_ = lan
     r = bed.run(0, *DLLAMA, *INFERENCE, "--workers", f"auto,{bed.addresses[LATE]}:{PORT}", "--timeout", "2",
@@ -222,7 +219,6 @@ def test_a_configured_worker_that_does_not_answer_is_still_an_error_with_auto(la
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_a_worker_behind_a_secret_is_used_only_with_that_secret(lan):
     bed, _listed_ = lan
     right, err, _t = _root(bed, *INFERENCE, "--workers", "auto", "--secret", SECRET)
@@ -257,7 +253,6 @@ HTTP_CLIENT = textwrap.dedent("""
 
 
 @pytest.mark.netns
-@pytest.mark.slow
 def test_a_worker_that_appears_later_is_used_from_the_next_request(lan):
     bed, _listed_ = lan
     serve = subprocess.Popen([*bed.prefix(0), *DLLAMA, "serve", "--port", str(PORT), "--workers", "auto", *GATHER],

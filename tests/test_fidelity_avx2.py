@@ -37,7 +37,6 @@ BIT_EXACT_TESTS = ["tests/test_fidelity.py::test_teacher_forced_logits_are_bit_i
                    "tests/test_generate.py::test_end_of_generation_token_stops_like_llama_cpp"]
 
 
-@pytest.mark.slow
 def test_bit_exact_against_an_avx2_build_of_llama_cpp(report_in_summary):
     if bit_exact_expected():
         pytest.skip("the native llama.cpp build takes the AVX2 path: test_fidelity checks bit-exactness itself")

@@ -52,7 +52,6 @@ def test_heads_that_cut_a_super_block_are_one_clear_error(k_model):
     dict(shard_tensors(k_model, shard, "gather"))  # rows: any split
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sync_mode, sync_dtype, n_workers", [("gather", "f32", 2), ("reduce", "f64", 1)])
 async def test_k_quant_cluster(k_model, tokenizer, sync_mode, sync_dtype, n_workers):
     """Every position's target logit and best token are the 1-node bits: in gather mode, and in

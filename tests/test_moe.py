@@ -82,7 +82,6 @@ def test_a_node_s_slice_of_every_expert_adds_up_to_the_whole(qtype):
     np.testing.assert_array_equal(again.data, sliced.data)
 
 
-@pytest.mark.slow
 def test_models_plan_reports_each_node_s_share_of_every_expert(synthetic_model):
     path = synthetic_model("qwen3moe-top2")
     rows = {}

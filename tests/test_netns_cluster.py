@@ -14,7 +14,7 @@ import pytest
 
 from dllama.sync.netns import NetnsTestbed, NetnsUnavailable
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = pytest.mark.netns
 
 PORT = 9998
 SECRET = "netns-test-secret"  # workers on a non-loopback address refuse to start without one

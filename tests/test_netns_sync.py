@@ -9,7 +9,7 @@ import pytest
 from dllama.sync.netns import NetnsTestbed, NetnsUnavailable
 from dllama.sync.bench import format_table
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = pytest.mark.netns
 
 SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10]
 

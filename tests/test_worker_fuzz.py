@@ -136,8 +136,8 @@ def test_worker_rejects_non_protocol_clients(payload):
 
 # ------------------------------------------------------------------ after the handshake
 
-N_MUTATED = 10_000
-BATCHES = 10
+# (messages, batches): the default suite's run, and the full count (marked slow, for make test-all)
+MUTATION_RUNS = [(2_500, 5), pytest.param(10_000, 10, marks=pytest.mark.slow)]
 PROMPT = [1, 17, 300, 4242, 99]
 N_TOKENS = 6
 
@@ -438,14 +438,16 @@ class PostHandshakeFuzzer:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the root's logits of 3e38 inputs
-def test_worker_survives_mutated_messages_after_the_handshake(synthetic_model, tmp_path, one_compute_thread):
-    """A client with no secret gets past the handshake and sends 10,000+ mutated messages, each
-    where the protocol expects its kind, in batches. The worker refuses exactly what the
+@pytest.mark.parametrize("n_mutated, batches", MUTATION_RUNS)
+def test_worker_survives_mutated_messages_after_the_handshake(synthetic_model, tmp_path, one_compute_thread,
+                                                              n_mutated, batches):
+    """A client with no secret gets past the handshake and sends 2,500 mutated messages (10,000 in
+    the slow set), each where the protocol expects its kind, in batches. The worker refuses exactly what the
     schema refuses (one FAILED or a dropped connection, one log line, no traceback), after
     every batch a real root gets the 1-node answer from it, and its RSS does not grow with the
     messages: from the first two batches (whose sessions take the worker's memory to what any
     session takes: slices of other plans, caches, buffers) to the last it stays within 50 MB, which
-    8,000 messages would pass if each left 6 KB behind."""
+    8,000 messages (of 10,000) would pass if each left 6 KB behind, 1,500 (of 2,500) 33 KB."""
     seed = int(os.environ.get("DLLAMA_FUZZ_SEED") or int.from_bytes(os.urandom(4), "little"))  # to replay a failure
     print(f"\npost-handshake fuzz seed: {seed}")
     rng = random.Random(seed)
@@ -459,8 +461,8 @@ def test_worker_survives_mutated_messages_after_the_handshake(synthetic_model, t
         rss = []  # after each batch
         fuzzer = PostHandshakeFuzzer(rng, HandRoot(model, address))
         t0 = time.perf_counter()
-        for batch in range(BATCHES):
-            await fuzzer.batch(N_MUTATED // BATCHES)
+        for batch in range(batches):
+            await fuzzer.batch(n_mutated // batches)
             assert worker.proc.poll() is None, f"seed {seed}: the worker died in batch {batch}"
             assert await root_answer(model, address, PROMPT, N_TOKENS) == answer, f"seed {seed}, batch {batch}"
             rss.append(worker.rss_mb())
@@ -472,7 +474,7 @@ def test_worker_survives_mutated_messages_after_the_handshake(synthetic_model, t
         log = worker.stop()
     assert "Traceback" not in log, f"seed {seed}: " + log[log.index("Traceback") - 2000:][:6000]
     total = sum(fuzzer.sent.values())
-    print(f"{total} mutated messages ({dict(fuzzer.sent)}), {fuzzer.refused} refused, {BATCHES} batches, "
+    print(f"{total} mutated messages ({dict(fuzzer.sent)}), {fuzzer.refused} refused, {batches} batches, "
           f"{elapsed:.0f} s; worker RSS after each batch {[round(mb) for mb in rss]} MB")
-    assert total >= N_MUTATED
+    assert total >= n_mutated
     assert rss[-1] < max(rss[:2]) + 50, f"seed {seed}: RSS grew, batch by batch: {[round(mb) for mb in rss]} MB"
