@@ -228,52 +228,44 @@ def _assert_ran(returncode: int, out: str, summary: str, check: str | None, test
     assert re.search(r"[1-9]\d* passed", summary) and not re.search(r"failed|error", summary), summary
 
 
-def test_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
-    """The inner tests on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON, no dot product)."""
+def _check(inner_result, report_in_summary, what: str, dotprod: bool) -> str:
+    """The run this test reads passed, on the CPU it is meant for; its output."""
     returncode, out, summary, check, run = inner_result
-    print(f"\n{check}\naarch64 (qemu): {summary}")
-    report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
+    print(f"\n{check}\n{what}: {summary}")
+    report_in_summary(f"{what}: {summary}")
     _assert_ran(returncode, out, summary, check, run.tests)
-    assert "dotprod=False" in check, check
+    assert f"dotprod={dotprod}" in check, check
+    assert not dotprod or "cpu=cortex-a76" in check, check
+    return out
+
+
+def test_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """Every format's matmuls (and the quantizers) on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON,
+    no dot product)."""
+    _check(inner_result, report_in_summary, "aarch64 under qemu (every format's matmuls, the quantizers)", False)
 
 
 def test_dot_product_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The quantized matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
     by qemu, which implements sdot: the same tests, and the instruction in the generated code."""
-    returncode, out, summary, check, run = inner_result
-    print(f"\n{check}\naarch64 with sdot (qemu): {summary}")
-    report_in_summary(f"aarch64 with the dot product under qemu (the matmul tests of tests/test_kernels.py): {summary}")
-    _assert_ran(returncode, out, summary, check, run.tests)
-    assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
+    out = _check(inner_result, report_in_summary, "aarch64 with the dot product under qemu (the matmuls)", True)
     assert "PASSED tests/test_kernels.py::test_quantized_dots_use_sdot_on_aarch64" in out, out[-3000:]
 
 
 @pytest.mark.slow
 def test_more_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The other matmul tests (column slices, packed rows, the activations' layouts), on a Pi 4's CPU."""
-    returncode, out, summary, check, run = inner_result
-    print(f"\n{check}\naarch64, more (qemu): {summary}")
-    report_in_summary(f"aarch64 under qemu (the other matmul tests): {summary}")
-    _assert_ran(returncode, out, summary, check, run.tests)
-    assert "dotprod=False" in check, check
+    _check(inner_result, report_in_summary, "aarch64 under qemu (the other matmul tests)", False)
 
 
 @pytest.mark.slow
 def test_more_dot_product_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The same, long rows walked span by span among them, compiled for a Pi 5."""
-    returncode, out, summary, check, run = inner_result
-    print(f"\n{check}\naarch64 with sdot, more (qemu): {summary}")
-    report_in_summary(f"aarch64 with the dot product under qemu (the other matmul tests): {summary}")
-    _assert_ran(returncode, out, summary, check, run.tests)
-    assert "dotprod=True" in check and "cpu=cortex-a76" in check, check
+    _check(inner_result, report_in_summary, "aarch64 with the dot product under qemu (the other matmul tests)", True)
 
 
 @pytest.mark.slow
 def test_models_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The other kernels (norms, RoPE, attention, activations), the split plan, and whole models'
     logits independent of the chunking, on a Pi 4's CPU."""
-    returncode, out, summary, check, run = inner_result
-    print(f"\n{check}\naarch64, models (qemu): {summary}")
-    report_in_summary(f"aarch64 under qemu ({', '.join(run.tests)}): {summary}")
-    _assert_ran(returncode, out, summary, check, run.tests)
-    assert "dotprod=False" in check, check
+    _check(inner_result, report_in_summary, "aarch64 under qemu (other kernels, plan, models)", False)
