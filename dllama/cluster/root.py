@@ -309,7 +309,9 @@ class ClusterEngine(Engine):
             try:
                 if failure is not None:
                     await self._recover(failure, step)
-                return await self._step(tokens, step)
+                out = await self._step(tokens, step)
+                self.failed = None  # the cluster computes again (workers that came back, re-planned)
+                return out
             except NetworkError as e:
                 attempts -= 1
                 if not self.recover or attempts < 0:
