@@ -68,12 +68,12 @@ PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --duration
 
 test:
 	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
-	$(PYTEST) -m "not slow"
+	$(PYTEST)
 
 # the default suite and the tests marked slow: properties the default suite tests, at bigger sizes
 test-all:
 	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
-	$(PYTEST)
+	$(PYTEST) -m "slow or not slow"
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).
 bench-deps: install

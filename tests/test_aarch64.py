@@ -125,6 +125,8 @@ class _InnerRun:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def kill(self) -> None:
+        if self.rc.exists():
+            return  # ended: its process group is gone (and its number may be another's by now)
         try:
             os.killpg(int(self.pid.read_text()), signal.SIGKILL)
         except (OSError, ValueError):
