@@ -85,7 +85,9 @@ class Server:
                    "--no-webui"]
         else:
             cmd = [sys.executable, "-m", "dllama", "serve", "--model", model, "--port", str(self.port),
-                   "--max-batch", str(slots), "--ctx-size", str(CTX_PER_SLOT), "--max-queue", "64"]
+                   "--max-batch", str(slots), "--ctx-size", str(CTX_PER_SLOT), "--max-queue", "64",
+                   # every simulated user comes from 127.0.0.1: one client, given all of the engine
+                   "--max-requests-per-client", str(slots), "--max-queued-per-client", "64"]
             cmd += ["--local-workers", "2", "--threads", "1"] if kind == "ours-3" else ["--threads", str(threads)]
         # the log to a file, not a pipe: nobody reads a pipe while the server runs, and once its buffer
         # is full (llama-server logs every request) the server would block writing to it

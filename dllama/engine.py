@@ -88,6 +88,7 @@ class Engine:
         cluster lowers to what its nodes' memory holds); compute_here: compute on the caller's
         loop (created there) instead of a thread of the engine's own."""
         self.events: list[str] = []  # failures and recoveries of a cluster, for logs, /health and /metrics
+        self.replans = 0  # times a cluster re-planned (a failure, or workers that came back), for /metrics
         self.slots = slots
         self.kv_budget = kv_budget
         self.kv_budget_given: bool | None = None  # set with the budget (a default one fits the nodes' memory)

@@ -26,12 +26,15 @@ class Generator:
         self.batcher = engine.batcher
 
     async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int,
-                       stop: list[str] = (), on_text: Callable[[str], None] | None = None) -> Generation:
+                       stop: list[str] = (), on_text: Callable[[str], None] | None = None,
+                       on_start: Callable[[], None] | None = None) -> Generation:
         """Generate after `prompt`, alongside whatever else runs on the engine. Cancelling the
         caller (a client that went away) frees its slot at the next step: a step in flight always
-        completes, so every node stays in step."""
+        completes, so every node stays in step. on_text gets the text as it streams; on_start is
+        called once the request has a slot (until then it waits its turn)."""
         if not prompt:
             raise DllamaError("the prompt is empty")
         if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
-        return await self.batcher.submit(Stream(prompt, params, max_tokens, stop, on_text, self.tokenizer))
+        return await self.batcher.submit(Stream(prompt, params, max_tokens, stop, on_text, self.tokenizer,
+                                                 on_start))

@@ -68,8 +68,9 @@ class Stream:
     streamed, and its Generation once done."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop, on_text,
-                 tokenizer: Tokenizer):
+                 tokenizer: Tokenizer, on_start: Callable[[], None] | None = None):
         self.prompt, self.params, self.max_tokens = prompt, params, max_tokens
+        self.on_start = on_start
         self.tokenizer = tokenizer
         self.out = Generation("", [], len(prompt), "length")
         self.sampler = Sampler(params)
@@ -92,6 +93,8 @@ class Stream:
         self.slot, self.pending = slot, self.prompt[reused:]
         self.out.prefill_tokens = len(self.pending)
         self.t0 = time.perf_counter()
+        if self.on_start is not None:
+            self.on_start()
 
     def recent(self, context: list[int], fed: int) -> list[int]:
         """The tokens the repetition penalty looks back on at the last of the next `fed` pending

@@ -101,9 +101,12 @@ async def _make_gate(loop) -> StepGate:
     return StepGate(loop)
 
 
-def post(base_url: str, path: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict, dict]:
-    """POST raw bytes (or a JSON object) without any client-side checks: (status, headers, JSON)."""
-    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
+def post(base_url: str, path: str, body: bytes | dict, timeout: float = 120,
+         source: str | None = None) -> tuple[int, dict, dict]:
+    """POST raw bytes (or a JSON object) without any client-side checks: (status, headers, JSON).
+    source: the address to send from (another of 127/8 is another client on loopback)."""
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout,
+                                      source_address=None if source is None else (source, 0))
     try:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})

@@ -46,7 +46,7 @@ def server(model_path):
     """The API on a free loopback port, its runtime, and its state (for white-box checks)."""
     thread = ServerThread()
     rt = thread.run(open_runtime({"model": model_path, "ctx_size": CTX, "threads": 1}, quiet=True))
-    app = make_app(rt, ServerConfig())
+    app = make_app(rt, ServerConfig(max_queued_per_client=16))  # (all its clients come from one address)
     url = thread.serve(app)
     yield SimpleNamespace(thread=thread, url=url, runtime=rt, state=app[SERVER])
     thread.close(rt.close)
@@ -341,7 +341,7 @@ def test_oversized_body_is_413(server, client, model_name):
 def test_full_queue_is_429(server, model_name):
     """With max_queue=1, one request may wait behind the running one; the next gets a 429 (and
     the two admitted ones are answered once the engine is free)."""
-    app = make_app(server.runtime, ServerConfig(max_queue=1))
+    app = make_app(server.runtime, ServerConfig(max_queue=1, max_queued_per_client=1))
     url = server.thread.serve(app)
     body = {"model": model_name, "messages": QUESTION, "max_tokens": 2, "temperature": 0}
     with ThreadPoolExecutor(2) as pool:

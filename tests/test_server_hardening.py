@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -311,7 +312,7 @@ def test_connections_beyond_the_cap_are_refused_at_once(loaded):
 
 @pytest.fixture(scope="module")
 def keyed(loaded):
-    return serve(loaded, api_key=KEY)[0]
+    return serve(loaded, api_keys=(KEY,))[0]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY},
@@ -352,6 +353,30 @@ def test_the_openai_client_needs_the_right_key(keyed, model_path):
     assert got.choices[0].message.content and got.usage.completion_tokens == 2
     status, _h, _text = request(keyed, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     assert status == 200
+
+
+def test_each_api_key_is_a_client_of_its_own(loaded):
+    """With several keys (one per user), the per-client limits count each key, not the address
+    all these requests share: the first key's second request is refused at once while its first
+    runs, the other key's is taken."""
+    thread, rt = loaded
+    other = KEY + "-second-user"
+    url, state = serve(loaded, api_keys=(KEY, other), max_running_per_client=1, max_queued_per_client=0)
+
+    def ask(key):
+        return request(url, "POST", "/v1/chat/completions", json.dumps(chat(max_tokens=2)).encode(),
+                       {"Authorization": f"Bearer {key}"})
+
+    with ThreadPoolExecutor(2) as pool:
+        with thread.holding(rt.engine):
+            first = pool.submit(ask, KEY)
+            assert wait_until(lambda: state.pending == 1, 30)
+            status, headers, text = ask(KEY)
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            assert json.loads(text)["error"]["code"] == "too_many_requests_per_client"
+            second = pool.submit(ask, other)
+            assert wait_until(lambda: state.pending == 2, 30)
+        assert first.result()[0] == second.result()[0] == 200
 
 
 # ------------------------------------------------------------------ the real command

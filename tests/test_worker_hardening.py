@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 import re
+import socket
 import subprocess
 import time
 from dataclasses import fields
@@ -466,6 +467,72 @@ def test_busy_refusals_are_rate_limited_in_the_log(tmp_path):
     assert lines_soon == 1, log
     lines = [line for line in log.splitlines() if "busy with another root" in line]
     assert len(lines) == 2 and "(and 29 more since the last such line)" in lines[1], log
+
+
+# ------------------------------------------------------------------ the peers a worker dials
+
+BANNER = b"SSH-2.0-OpenSSH_9.6 private-banner-1234\r\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_dials_only_its_own_cluster_and_repeats_nothing_it_hears(worker, model, answer):
+    """Whoever sends SETUP (no --secret: anyone) names the peers the worker dials. An address that
+    answers otherwise than a node of this cluster (a service's banner, an idle worker serving no
+    session) or refuses fails the session with an error that names the address and never what
+    came back from it; a refused address gets a bounded number of attempts."""
+    other = WorkerProcess("--timeout", "5")
+    closed = _free_port()
+    errors = {}
+
+    async def banner(reader, writer):
+        writer.write(BANNER + bytes(range(256)) * 4)
+        await writer.drain()
+        await asyncio.sleep(1)
+        writer.close()
+
+    async def probe():
+        server = await asyncio.start_server(banner, "127.0.0.1", 0)
+        banner_port = server.sockets[0].getsockname()[1]
+        try:
+            for name, port in (("banner", banner_port), ("other cluster", other.port), ("closed", closed)):
+                root = HandRoot(model, _address(worker))
+                try:
+                    setup = root.setup(addrs=[("127.0.0.1", port), _address(worker)])
+                    kind, body = await root.send_setup(M.to_wire(setup))
+                    assert kind == P.NEED.name, body
+                    await root.send_tensors(body["names"])
+                    kind, body = await root.reply(P.LOADED, timeout=60)
+                    assert kind == P.LOADED.name, body
+                    await root.conn.send_msg(P.GO, {})
+                    t0 = time.monotonic()
+                    kind, body = await root.reply(P.READY, timeout=60)
+                    assert kind == P.FAILED.name, (name, body)
+                    errors[name] = (body["error"], time.monotonic() - t0)
+                finally:
+                    await root.close()
+            assert await root_answer(model, _address(worker), PROMPT, N_TOKENS) == answer  # it lives on
+        finally:
+            server.close()
+
+    try:
+        asyncio.run(probe())
+    finally:
+        other_log = other.stop()
+    for name, port in (("banner", None), ("other cluster", other.port), ("closed", closed)):
+        error, _took = errors[name]
+        assert "rank 0" in error and (port is None or f"127.0.0.1:{port}" in error), error
+    assert "does not speak the dllama protocol" in errors["banner"][0]
+    assert "is not a node of this cluster" in errors["other cluster"][0]
+    assert "connection refused" in errors["closed"][0].lower() and "(30 attempts)" in errors["closed"][0]
+    assert errors["closed"][1] < 25  # the attempts ran out, not the 30 s connect timeout
+    log = worker.log()
+    for text in (log, other_log, *(e for e, _t in errors.values())):
+        assert "SSH" not in text and "private-banner" not in text and "\\x" not in text
 
 
 # ------------------------------------------------------------------ secure by default

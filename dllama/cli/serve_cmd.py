@@ -40,9 +40,11 @@ DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core mac
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="Largest request body (HTTP 413 above it).")
 @click.option("--model-name", default=None, help="Model id in /v1/models and responses (default: the GGUF's stem).")
-@click.option("--api-key", envvar="DLLAMA_API_KEY", default=None, metavar="KEY",
+@click.option("--api-key", "api_keys", envvar="DLLAMA_API_KEY", multiple=True, metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on every request but /health and the chat page's files (env "
-                   "DLLAMA_API_KEY, which keeps the key out of the process list).")
+                   "DLLAMA_API_KEY, which keeps the key out of the process list). Give several (the option again, or "
+                   "separated by spaces in DLLAMA_API_KEY) for one per user: each key is then one client for the "
+                   "per-client limits, instead of each address.")
 @click.option("--insecure", is_flag=True,
               help="Allow a --host other than loopback without --api-key (anyone who reaches the port may use it).")
 @click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
@@ -50,26 +52,41 @@ DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core mac
                                 "kept-alive connection).")
 @click.option("--body-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
               metavar="S", help="Answer 408 and close when a request body has not arrived in S seconds.")
+@click.option("--write-timeout", type=click.FloatRange(0, min_open=True), default=15.0, show_default=True,
+              metavar="S", help="End a streamed answer (and free its slot) when its client has read nothing for S "
+                                "seconds.")
 @click.option("--max-connections", type=click.IntRange(1), default=256, show_default=True,
               help="Open connections at most; more are answered 503 and closed at once.")
-def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_body_bytes, model_name, api_key, insecure, header_timeout,
-          body_timeout, max_connections, **opts):
+@click.option("--max-requests-per-client", type=click.IntRange(1), default=None, metavar="N",
+              help="Requests one client (its address, or its API key when there are several) may have in the engine "
+                   "at once; more wait their turn [default: below half of --max-batch].")
+@click.option("--max-queued-per-client", type=click.IntRange(0), default=None, metavar="M",
+              help="Requests one client may have waiting; more get HTTP 429 at once [default: below half of "
+                   "--max-queue].")
+@click.option("--queue-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              metavar="S", help="A request that has waited S seconds to start (for its client's turn, a slot or KV "
+                                "room) gets HTTP 503.")
+def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_body_bytes, model_name, api_keys, insecure,
+          header_timeout, body_timeout, write_timeout, max_connections, max_requests_per_client, max_queued_per_client,
+          queue_timeout, **opts):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions, completions, models,
     /health, /metrics) and a chat page at / (its panel polls /status). A request that omits a
     sampling field gets OpenAI's default (temperature 1, top_p 1) unless the option is given here."""
     from ..server import ServerConfig
     from ..server.openai_schema import OPENAI_SAMPLING
 
-    api_key = api_key or None  # DLLAMA_API_KEY= (empty) means no key
-    require_credential_off_loopback(host, api_key, insecure, what="API key", how="--api-key KEY (or DLLAMA_API_KEY)",
-                                    whom="it")
+    api_keys = tuple(key for key in api_keys if key)  # DLLAMA_API_KEY= (empty) means no key
+    require_credential_off_loopback(host, api_keys[0] if api_keys else None, insecure, what="API key",
+                                    how="--api-key KEY (or DLLAMA_API_KEY)", whom="it")
     sampling_params(opts)  # the options' ranges, checked as the other commands check them
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
     config = ServerConfig(model_name=model_name, max_queue=max_queue, max_tokens_limit=max_tokens_limit,
-                          max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given), api_key=api_key,
-                          header_timeout=header_timeout, body_timeout=body_timeout, max_connections=max_connections)
+                          max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given), api_keys=api_keys,
+                          header_timeout=header_timeout, body_timeout=body_timeout, write_timeout=write_timeout,
+                          max_connections=max_connections, max_running_per_client=max_requests_per_client,
+                          max_queued_per_client=max_queued_per_client, queue_timeout=queue_timeout)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)
@@ -79,6 +96,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
 async def _serve(host, port, config, opts):
     from ..registry import resolve_model
     from ..server import attach, bound_port, make_app, start_server
+    from ..server.app import SERVER
 
     path = resolve_model(opts.get("model"))
     opts = {**opts, "model": path}
@@ -94,15 +112,16 @@ async def _serve(host, port, config, opts):
     loading = asyncio.ensure_future(open_runtime(opts))
     rt = None
     try:
-        auth = "API key required" if config.api_key else "no API key"
+        auth = "API key required" if config.api_keys else "no API key"
         info(f"dllama serve: listening on http://{host}:{bound_port(runner)} (loading {config.model_name}; {auth})")
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
             return
         rt = loading.result()
         attach(app, rt)
+        turns = app[SERVER].admission
         info(f"dllama serve: ready; model id {config.model_name!r}, {rt.engine.slots} requests at once, at most "
-             f"{config.max_queue} queued")
+             f"{config.max_queue} queued; per client {turns.running} at once and {turns.queued} queued")
         await stopping
     finally:
         if not loading.done():

@@ -249,6 +249,7 @@ class ClusterEngine(Engine):
         (those of `step` among them), so the failed step can run again."""
         t0 = time.perf_counter()
         self._event(f"{error}; re-planning onto the nodes that still answer")
+        self.replans += 1
         await self._teardown(reason=f"the root re-plans after: {error}")
         await self._build([w.address for w in self.workers], tolerate_missing=True, keep_sync=True)
         # the failed step's sequences, and the slots it copies from, whether running or not
@@ -290,6 +291,7 @@ class ClusterEngine(Engine):
         if not back and not fresh:
             return
         self._event(f"{len(back)} worker(s) answer again, {len(fresh)} new; re-planning")
+        self.replans += 1
         await self._teardown()
         await self._build([a for a in self.addresses if a in present or a in back or a in fresh],
                           tolerate_missing=True)

@@ -48,7 +48,9 @@ class Worker:
         self.timeout = timeout
         self.setup_timeout = setup_timeout
         self.inbox = ConnectionInbox()
-        self.listener = Listener(self._on_connection, secret=secret, timeout=timeout, heartbeat=timeout / 4)
+        # (its peers check that it serves their session: see net/handshake.py)
+        self.listener = Listener(self._on_connection, secret=secret, timeout=timeout, heartbeat=timeout / 4,
+                                 session=lambda: self.session_id)
         self.busy = False
         self.session_id: str | None = None  # the session being served: its peers may connect
         self.sessions_served = 0

@@ -25,25 +25,32 @@ log = logging.getLogger("dllama.net")
 HANDSHAKE_MAX_FRAME = 64 << 10
 
 _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EAGAIN, errno.ECONNABORTED}
+# attempts a refused connect gets with retry (backing off from 20 ms to 250 ms: about 7 s), so
+# that an address given to dial is not knocked on for as long as a connect timeout allows
+MAX_CONNECT_ATTEMPTS = 30
 
 
 async def connect(host: str, port: int, *, role: str = "peer", rank: int | None = None,
                   world: int | None = None, session: str = "", secret=None, peer_rank: int | None = None,
                   addr: tuple[str, int] | None = None, timeout: float | None = None,
                   heartbeat: float | None = None, connect_timeout: float = 10.0, retry: bool = False,
-                  max_frame: int = DEFAULT_MAX_FRAME) -> Connection:
+                  max_frame: int = DEFAULT_MAX_FRAME, same_session: bool = False,
+                  max_attempts: int = MAX_CONNECT_ATTEMPTS) -> Connection:
     """Open a connection and run the handshake; returns the ready Connection.
 
     role/rank/world/session/addr describe this node to the server (`addr`: where this node
     listens, if it does). `peer_rank` names the server in errors. `timeout`/`heartbeat` are the
-    connection's liveness settings (see Connection). `retry`: keep retrying a refused connect
-    until `connect_timeout` (the server may not be listening yet). Raises PeerUnreachable,
-    VersionMismatch, AuthError, ProtocolError, PeerTimeout."""
+    connection's liveness settings (see Connection). `retry`: retry a refused connect (the server
+    may not be listening yet), within `connect_timeout` and `max_attempts`. `same_session`: the
+    server must serve `session` (see handshake.py). Raises PeerUnreachable, VersionMismatch,
+    AuthError, ProtocolError, PeerTimeout."""
     loop = asyncio.get_running_loop()
     peer = PeerRef(peer_rank, host, int(port))
     deadline = time.monotonic() + connect_timeout
     delay = 0.02
+    attempts = 0
     while True:
+        attempts += 1
         left = deadline - time.monotonic()
         try:
             _transport, conn = await asyncio.wait_for(
@@ -55,17 +62,18 @@ async def connect(host: str, port: int, *, role: str = "peer", rank: int | None 
         except asyncio.TimeoutError:
             raise PeerUnreachable(f"no answer to connect within {connect_timeout:.3g} s", peer) from None
         except OSError as e:
-            if retry and e.errno in _RETRYABLE and time.monotonic() + delay < deadline:
+            if retry and e.errno in _RETRYABLE and time.monotonic() + delay < deadline and attempts < max_attempts:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
                 continue
             why = e.strerror or str(e)
-            raise PeerUnreachable(f"cannot connect: {why}", peer) from None
+            tries = f" ({attempts} attempts)" if attempts > 1 else ""
+            raise PeerUnreachable(f"cannot connect: {why}{tries}", peer) from None
     conn.max_frame_after_welcome = max_frame
     left = max(deadline - time.monotonic(), 0.5)
     try:
         await client_handshake(conn, role=role, rank=rank, world=world, session=session, secret=secret,
-                               addr=addr, timeout=min(left, HANDSHAKE_TIMEOUT))
+                               addr=addr, timeout=min(left, HANDSHAKE_TIMEOUT), same_session=same_session)
     except BaseException:
         conn._fail(PeerUnreachable("handshake did not complete", conn.peer))
         raise
@@ -77,12 +85,14 @@ class Listener:
     authenticated connection to `on_connection(conn, hello)` (sync or async). A connection whose
     handshake fails is told why and closed; the listener keeps serving."""
 
-    def __init__(self, on_connection, *, secret=None, rank: int | None = None,
+    def __init__(self, on_connection, *, secret=None, rank: int | None = None, session=None,
                  timeout: float | None = None, heartbeat: float | None = None,
                  max_frame: int = DEFAULT_MAX_FRAME, handshake_timeout: float = HANDSHAKE_TIMEOUT):
         self.on_connection = on_connection
         self.secret = secret
         self.rank = rank  # told to clients in the CHALLENGE, if known
+        # ... with the session this node serves: a string, or a function that says (None: none yet)
+        self.session = session
         self.timeout = timeout
         self.heartbeat = heartbeat
         self.max_frame = max_frame
@@ -118,7 +128,8 @@ class Listener:
     async def _serve(self, conn: Connection):
         await conn._made
         try:
-            hello = await server_handshake(conn, secret=self.secret, rank=self.rank,
+            session = self.session() if callable(self.session) else self.session
+            hello = await server_handshake(conn, secret=self.secret, rank=self.rank, serving=session,
                                            timeout=self.handshake_timeout)
         except NetworkError as e:
             self.rejected += 1

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 8  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
+PROTOCOL_VERSION = 9  # 3: every step summed in the one-token order (batch-invariant kernels); 4: ECHO;
 # 5: steps of several sequences, each with its KV cache slot (continuous batching); 6: a step's
 # copies made layer by layer after its keys and values (a source may compute them in that step);
 # 7: a greedy position's summary carries no log-sum-exp (None) unless a target asks for it;
-# 8: a temperature below sampling.MIN_TEMPERATURE is greedy, sampling fields within sampling's ranges
+# 8: a temperature below sampling.MIN_TEMPERATURE is greedy, sampling fields within sampling's ranges;
+# 9: the CHALLENGE names the session the listening node serves (a peer dials only its own cluster's)
 MAGIC = b"DLMA"
 HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = HEADER.size  # 16
@@ -129,7 +130,8 @@ def check_header(magic, code: int, length: int, kinds: KindRegistry, max_frame: 
     """(kind, None) for a header we may read the body of, else (None, what is wrong). The
     version is checked by the connection, which answers a mismatch in its own version."""
     if magic != MAGIC:
-        return None, f"bad frame magic {bytes(magic)!r} (not a dllama peer?)"
+        # (what it sent is not repeated: a node told to dial an address would report what answers there)
+        return None, "it does not speak the dllama protocol"
     kind = kinds.by_code(code)
     if kind is None:
         return None, f"unknown frame kind {code}"

@@ -1,14 +1,18 @@
 """Connection handshake: protocol version, role, rank, session, optional mutual HMAC challenge.
 
     client -> HELLO     {proto, role, rank, world, session, addr, nonce}
-    server -> CHALLENGE {proto, rank, nonce, auth}        (or REJECT {reason})
+    server -> CHALLENGE {proto, rank, session, nonce, auth}   (or REJECT {reason})
     client -> AUTH      {mac}    mac = HMAC(secret, "client" | server nonce | client nonce | hello)
-    server -> WELCOME   {mac}    mac = HMAC(secret, "server" | client nonce | server nonce)
+    server -> WELCOME   {mac}    mac = HMAC(secret, "server" | client nonce | server nonce | session)
                                  (or REJECT {reason})
 
 Both sides prove they know the secret without sending it, and a recorded exchange cannot be
 replayed (fresh nonces on both sides). Without a secret on both sides the macs are empty; a
 secret on one side only is an authentication failure, reported on both sides.
+
+A peer (a rank dialing another of its sync group) checks that the node it reached serves its own
+session: an address it was given that answers anything else (another cluster's node, or no dllama
+node at all) is a failure that names the address, never what it sent.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def _hello_bytes(h: dict) -> bytes:
 def _check_proto(msg: dict, conn: Connection):
     proto = msg.get("proto")
     if proto != F.PROTOCOL_VERSION:
-        raise VersionMismatch(f"speaks dllama protocol version {proto}, this node speaks {F.PROTOCOL_VERSION}",
+        version = proto if type(proto) is int else "(none)"  # (never more of what the other side sent)
+        raise VersionMismatch(f"speaks dllama protocol version {version}, this node speaks {F.PROTOCOL_VERSION}",
                               conn.peer)
 
 
@@ -72,8 +77,10 @@ def _field(msg: dict, name: str, types, conn: Connection, optional=False):
 
 async def client_handshake(conn: Connection, *, role: str = "peer", rank: int | None = None,
                            world: int | None = None, session: str = "", secret=None,
-                           addr: tuple[str, int] | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> dict:
-    """Run the client side on a fresh connection. Returns the server's CHALLENGE fields."""
+                           addr: tuple[str, int] | None = None, timeout: float = HANDSHAKE_TIMEOUT,
+                           same_session: bool = False) -> dict:
+    """Run the client side on a fresh connection. Returns the server's CHALLENGE fields.
+    same_session: the server must serve `session` (a peer of the same group)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     key = _secret_bytes(secret)
@@ -86,6 +93,10 @@ async def client_handshake(conn: Connection, *, role: str = "peer", rank: int | 
         raise _rejection(msg, conn)
     _check_proto(msg, conn)
     snonce = _field(msg, "nonce", bytes, conn)
+    ssession = _field(msg, "session", str, conn, optional=True)
+    if same_session and ssession != session:
+        conn.write_frame(F.AUTH, F.pack_msg({"mac": b""}))
+        raise ProtocolError("is not a node of this cluster (it serves another session, or none)", conn.peer)
     srank = _field(msg, "rank", int, conn, optional=True)
     if srank is not None and conn.peer.rank is None:
         conn.peer = PeerRef(srank, conn.peer.host, conn.peer.port)
@@ -101,15 +112,16 @@ async def client_handshake(conn: Connection, *, role: str = "peer", rank: int | 
         raise _rejection(msg, conn)
     if key is not None:
         smac = _field(msg, "mac", bytes, conn)
-        if not hmac.compare_digest(smac, _mac(key, b"server", cnonce, snonce)):
+        if not hmac.compare_digest(smac, _mac(key, b"server", cnonce, snonce, (ssession or "").encode())):
             raise AuthError("authentication failed: the peer does not know the shared secret", conn.peer)
     return msg
 
 
 async def server_handshake(conn: Connection, *, secret=None, rank: int | None = None,
-                           timeout: float = HANDSHAKE_TIMEOUT) -> Hello:
-    """Run the server side on an accepted connection; returns the client's Hello.
-    On failure the client is told why (REJECT) before the error is raised here."""
+                           serving: str | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Hello:
+    """Run the server side on an accepted connection; returns the client's Hello. `serving`: the
+    session this node serves (None: none yet). On failure the client is told why (REJECT) before the
+    error is raised here."""
     key = _secret_bytes(secret)
     try:
         _kind, msg = await conn.recv_msg(F.HELLO, timeout=timeout)
@@ -130,14 +142,16 @@ async def server_handshake(conn: Connection, *, secret=None, rank: int | None = 
         conn.peer = PeerRef(crank, *(addr if addr else (conn.peer.host, conn.peer.port)))
         snonce = os.urandom(NONCE_BYTES)
         conn.write_frame(F.CHALLENGE, F.pack_msg(
-            {"proto": F.PROTOCOL_VERSION, "rank": rank, "nonce": snonce, "auth": key is not None}))
+            {"proto": F.PROTOCOL_VERSION, "rank": rank, "session": serving, "nonce": snonce,
+             "auth": key is not None}))
         _kind, auth = await conn.recv_msg(F.AUTH, timeout=timeout)
         if key is not None:
             mac = auth.get("mac")
             if not isinstance(mac, bytes) or not hmac.compare_digest(
                     mac, _mac(key, b"client", snonce, cnonce, _hello_bytes(msg))):
                 raise AuthError("authentication failed: wrong or missing shared secret", conn.peer)
-            conn.write_frame(F.WELCOME, F.pack_msg({"mac": _mac(key, b"server", cnonce, snonce)}))
+            conn.write_frame(F.WELCOME, F.pack_msg({"mac": _mac(key, b"server", cnonce, snonce,
+                                                                 (serving or "").encode())}))
         else:
             if auth.get("mac"):
                 raise AuthError("authentication failed: the peer uses a shared secret, this node does not",

@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP API on aiohttp: routes, the request queue, SSE streaming, errors.
 
-One generation runs at a time (the engine's lock serializes them, in FIFO order); up to
-`max_queue` more wait for it and any beyond get a 429. A client that disconnects cancels its
-request: the server runs with aiohttp's handler cancellation, so the handler (waiting in the
-queue or generating) is cancelled and the Generator stops between two steps.
+Up to the engine's slots generate at once (continuous batching); up to `max_queue` more wait and
+any beyond get a 429. Each client (its address, or its API key where there are several) has its
+share of both (admission.py), and a request waits at most `queue_timeout` to start (then 503). A
+client that disconnects cancels its request: the server runs with aiohttp's handler cancellation,
+so the handler (waiting in the queue or generating) is cancelled and the Generator stops between
+two steps; one that stops reading a stream is dropped after `write_timeout`.
 
 Against hostile clients: a request head must arrive within `header_timeout` and a body within
 `body_timeout`, at most `max_connections` are open at once (connections.py), a JSON body may nest
-`max_json_depth` deep and hold no NaN or infinity (json_body.py), and with an
-`api_key` every request but /health and the chat page's files must carry it as a bearer token.
+`max_json_depth` deep and hold no NaN or infinity (json_body.py), and with `api_keys` every
+request but /health and the chat page's files must carry one as a bearer token.
 
 The chat page (static/, served at /) talks to the same API as any client: it streams from
 /v1/chat/completions and polls /status for its panel.
@@ -41,8 +43,8 @@ SERVER = web.AppKey("dllama_server", ServerState)
 
 def _json_error(err: APIError) -> web.Response:
     headers = None
-    if err.status in (429, 503):
-        headers = {"Retry-After": "1"}
+    if err.retry_after is not None:
+        headers = {"Retry-After": str(err.retry_after)}
     elif err.status == 401:
         headers = {"WWW-Authenticate": 'Bearer realm="dllama"'}  # RFC 6750
     return web.json_response(err.body(), status=err.status, headers=headers, dumps=compact_json)

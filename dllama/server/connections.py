@@ -15,7 +15,10 @@ thin protocol that forwards everything to aiohttp's own RequestHandler, plus
   the application: from its opening, and again from the end of each request (so it also closes
   idle keep-alive connections). The application calls `request_started`/`request_finished` (the
   middleware in app.py finds this protocol as `request.transport.get_protocol()`). Bytes that
-  arrive do not re-arm it: dripping a request line byte by byte does not help.
+  arrive do not re-arm it: dripping a request line byte by byte does not help;
+- a send buffer of SEND_BUFFER bytes: the kernel would otherwise grow it to megabytes for a client
+  that reads nothing, so that a streamed answer never waits to be written and its write timeout
+  (state.py) never starts. Tokens come far slower than even a small buffer drains on any network.
 Only the public asyncio Protocol interface and aiohttp's documented protocol factory
 (`AppRunner.server`) are used, so nothing depends on aiohttp's internals.
 """
@@ -25,9 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from dataclasses import dataclass
 
 log = logging.getLogger("dllama.server")
+
+SEND_BUFFER = 32 << 10  # bytes (the kernel doubles it for its bookkeeping)
 
 
 @dataclass
@@ -38,6 +44,7 @@ class ConnectionCounts:
     refused: int = 0  # over max_connections
     header_timeouts: int = 0  # no complete request (head) in time
     body_timeouts: int = 0  # counted by the application (app.py)
+    write_timeouts: int = 0  # streamed answers their clients stopped reading (state.py)
 
 
 def _busy_response(max_connections: int) -> bytes:
@@ -88,6 +95,9 @@ class GuardedProtocol(asyncio.Protocol):
             return
         guard.counts.open += 1
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self.inner = guard.factory()
         self._arm()
         self.inner.connection_made(transport)

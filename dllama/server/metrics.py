@@ -81,7 +81,8 @@ class Metrics:
             self.last = report
 
     def families(self, *, ready: bool, queue_length: int, running: int, nodes: list[dict], info: dict,
-                 ctx_size: int, kv_cached: int, kv_reserved: int, kv_budget: int, events: int, batcher=None,
+                 ctx_size: int, kv_cached: int, kv_reserved: int, kv_in_use: int, kv_budget: int, events: int,
+                 replans: int = 0, batcher=None,
                  connections=None) -> list[Family]:
         requests = Family("dllama_requests_total", "counter", "HTTP requests answered, by endpoint and status "
                           "(499: the client went away first).")
@@ -130,12 +131,17 @@ class Metrics:
                    "reuse included).").add(kv_cached),
             Family("dllama_kv_cache_reserved_tokens", "gauge", "Positions the KV caches hold (reserved for prompts "
                    "and max_tokens).").add(kv_reserved),
+            Family("dllama_kv_cache_in_use_tokens", "gauge", "Positions reserved by the requests running now (the "
+                   "rest of the reserved ones are idle slots' caches, given up whenever a request needs room).")
+            .add(kv_in_use),
             Family("dllama_kv_cache_budget_tokens", "gauge", "Positions the KV caches may hold in all (--kv-budget).")
             .add(kv_budget),
             Family("dllama_nodes", "gauge", "Nodes taking part now (the root included).")
             .add(sum(n["up"] for n in nodes)),
             Family("dllama_cluster_events_total", "counter", "Node failures and recoveries the engine went through.")
             .add(events),
+            Family("dllama_cluster_replans_total", "counter", "Times the cluster re-planned: after a failure (once "
+                   "for every request in the step that failed), or for workers that came back.").add(replans),
         ]
         if connections is not None:  # a ConnectionCounts of the connection guard
             out += [
@@ -144,8 +150,10 @@ class Metrics:
                        "HTTP connections refused (503, closed) because --max-connections were open.")
                 .add(connections.refused),
                 Family("dllama_http_timeouts_total", "counter", "HTTP connections dropped because a request head "
-                       "(or the next request on a kept-alive connection) or a body did not arrive in time.")
-                .add(connections.header_timeouts, phase="header").add(connections.body_timeouts, phase="body"),
+                       "(or the next request on a kept-alive connection) or a body did not arrive in time, or "
+                       "the client read nothing of a streamed answer for --write-timeout.")
+                .add(connections.header_timeouts, phase="header").add(connections.body_timeouts, phase="body")
+                .add(connections.write_timeouts, phase="write"),
             ]
         up = Family("dllama_node_up", "gauge", "1 while the node takes part in the computation.")
         for n in nodes:

@@ -23,11 +23,13 @@ from ..sampling import SamplingParams
 from . import metrics as prom
 from .connections import ConnectionCounts
 from .api_errors import APIError, bad_request
+from .admission import Admission, QueueTimeout, default_queued, default_running
 from .json_body import MAX_JSON_DEPTH
 from .openai_responses import Envelope, usage
 from .openai_schema import OPENAI_SAMPLING, GenerationRequest
 
 log = logging.getLogger("dllama.server")
+
 
 
 class ClientGone(Exception):
@@ -58,11 +60,16 @@ class ServerConfig:
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask (and the default's cap)
     max_body_bytes: int = 1 << 20
     sampling: SamplingParams = field(default_factory=lambda: replace(OPENAI_SAMPLING))  # for omitted fields
-    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no authentication; several: one per client
     header_timeout: float = 10.0  # seconds for a request head to arrive (and a keep-alive connection to idle)
     body_timeout: float = 30.0  # seconds for a request body to arrive
+    write_timeout: float = 15.0  # seconds a streamed answer may wait for its client to read
     max_connections: int = 256  # open at once; more are answered 503 and closed
     max_json_depth: int = MAX_JSON_DEPTH
+    # per client (admission.py); None: below half of the engine's slots / of max_queue
+    max_running_per_client: int | None = None
+    max_queued_per_client: int | None = None
+    queue_timeout: float = 30.0  # seconds a request may wait to start (its client's turn, a slot, KV budget)
 
 
 class ServerState:
@@ -73,14 +80,20 @@ class ServerState:
         self.metrics = prom.Metrics()
         self.pending = 0  # generation requests taken: those generating and those waiting
         self.connections = ConnectionCounts()  # kept by the connection guard of start_server
-        # the key's digest: compared with the digest of what a request sends, so the comparison
+        # the keys' digests: compared with the digest of what a request sends, so the comparison
         # takes the same time whatever the lengths (hmac.compare_digest only hides the content)
-        self.key_digest = None if not config.api_key else hashlib.sha256(config.api_key.encode()).digest()
+        self.key_digests = [hashlib.sha256(key.encode()).digest() for key in config.api_keys]
+        self.admission: Admission | None = None  # once the engine's slots are known
 
     def attach(self, runtime) -> None:
         """The engine is ready: start answering generation requests."""
         self.runtime = runtime
         self.generator = Generator(runtime.engine, runtime.tokenizer)  # the engine knows its KV cache
+        config = self.config
+        running = config.max_running_per_client or default_running(runtime.engine.slots)
+        queued = config.max_queued_per_client
+        self.admission = Admission(running, default_queued(config.max_queue) if queued is None else queued,
+                                   config.queue_timeout)
         if self.config.model_name is None:
             self.config.model_name = os.path.splitext(os.path.basename(runtime.model_path))[0]
 
@@ -104,7 +117,8 @@ class ServerState:
         return 0 if self.batcher is None else self.batcher.running
 
     def queue_length(self) -> int:
-        return 0 if self.batcher is None else self.batcher.queued
+        """Requests waiting: for a slot or KV budget, or for their client's turn."""
+        return 0 if self.batcher is None else self.batcher.queued + self.admission.waiting
 
     def health(self) -> tuple[int, dict]:
         if self.engine is None:
@@ -211,11 +225,25 @@ class ServerState:
         # token), within the server's limit
         max_tokens = req.max_tokens or min(config.max_tokens_limit, ctx - len(ids) + 1)
         env = Envelope(req.kind, config.model_name, f"dllama-{__version__}")
+        deadline = asyncio.get_running_loop().time() + config.queue_timeout  # to start generating
         self.pending += 1
         try:
-            if req.stream:
-                return await self._stream(request, req, ids, max_tokens, env)
-            gen = await self.generator.generate(ids, req.params, max_tokens, req.stop)
+            async with self.admission.turn(self.client_of(request), deadline):
+                pieces: asyncio.Queue = asyncio.Queue()
+                started = asyncio.Event()
+                task = asyncio.ensure_future(self.generator.generate(
+                    ids, req.params, max_tokens, req.stop, on_text=pieces.put_nowait if req.stream else None,
+                    on_start=started.set))
+                task.add_done_callback(lambda _: pieces.put_nowait(None))  # after the last piece
+                try:
+                    await self._until_started(task, started, deadline)
+                    if req.stream:
+                        return await self._stream(request, req, ids, task, pieces, env)
+                    gen = await task
+                finally:
+                    if not task.done():
+                        task.cancel()
+                        await asyncio.wait([task])  # its slot is freed at the batch's next step
             self._record(ids, gen)
             if gen.finish_reason == "error":
                 raise APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
@@ -227,18 +255,38 @@ class ServerState:
         finally:
             self.pending -= 1
 
-    async def _stream(self, request, req, ids, max_tokens, env: Envelope) -> web.StreamResponse:
+    async def _until_started(self, task: asyncio.Task, started: asyncio.Event, deadline: float) -> None:
+        """Wait until the engine admits the request (a slot and KV budget) by the deadline: a 503
+        after it. A request refused before it started (its prompt, say) raises its error here, as an
+        HTTP error rather than in a stream."""
+        waiter = asyncio.ensure_future(started.wait())
+        try:
+            await asyncio.wait({task, waiter}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if started.is_set():
+            return
+        if not task.done():
+            raise QueueTimeout(self.config.queue_timeout, "for a free slot or KV cache room")
+        if task.exception() is not None:
+            raise task.exception()
+
+    async def _stream(self, request, req, ids, task: asyncio.Task, pieces: asyncio.Queue,
+                      env: Envelope) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        pieces: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self.generator.generate(ids, req.params, max_tokens, req.stop, on_text=pieces.put_nowait))
-        task.add_done_callback(lambda _: pieces.put_nowait(None))  # after the last piece
         usage_field = req.include_usage
+        write_timeout = self.config.write_timeout
+
+        async def write(data: bytes) -> None:
+            # a client that stops reading fills the socket's buffers, and then a write waits: for
+            # write_timeout at most, not for the rest of the answer with its slot held
+            await asyncio.wait_for(resp.write(data), write_timeout)
 
         async def send(obj) -> None:
-            await resp.write(b"data: " + compact_json(obj).encode() + b"\n\n")
+            await write(b"data: " + compact_json(obj).encode() + b"\n\n")
 
         try:
             if req.kind == "chat":
@@ -261,16 +309,19 @@ class ServerState:
             await send(env.chunk(None, gen.finish_reason, with_usage_field=usage_field))
             if req.include_usage:
                 await send(env.usage_chunk(self._usage(ids, gen)))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await write(b"data: [DONE]\n\n")
+            await asyncio.wait_for(resp.write_eof(), write_timeout)
+        except asyncio.TimeoutError:
+            self.connections.write_timeouts += 1
+            log.info("%s %s: the client read nothing for %g s; generation cancelled", request.method, request.path,
+                     write_timeout)
+            if request.transport is not None:
+                request.transport.abort()  # what it has not read is dropped with the connection
+            raise ClientGone(resp) from None
         except ConnectionResetError:
             # the client went away and a write noticed it before aiohttp cancelled this handler
             log.info("%s %s: client disconnected; generation cancelled", request.method, request.path)
             raise ClientGone(resp) from None
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait([task])  # its slot is freed at the batch's next step
         return resp
 
     def _record(self, ids: list[int], gen: Generation) -> None:
@@ -295,22 +346,34 @@ class ServerState:
         families = self.metrics.families(
             ready=engine is not None and self.problem() is None, queue_length=self.queue_length(),
             running=self.running(), nodes=nodes, info=info, events=0 if engine is None else len(engine.events),
+            replans=0 if engine is None else engine.replans,
             ctx_size=0 if engine is None else engine.ctx_size,
             kv_cached=0 if engine is None else sum(len(c) for c in engine.contexts),
             kv_reserved=0 if engine is None else engine.kv_used, kv_budget=0 if engine is None else engine.kv_budget,
+            kv_in_use=0 if engine is None else sum(engine.capacities[slot] for slot in engine.in_use or ()),
             batcher=self.batcher, connections=self.connections)
         return prom.render(families)
 
     # ------------------------------------------------------------------ authentication
 
-    def check_key(self, request: web.Request) -> None:
-        """With an API key: the request must send `Authorization: Bearer KEY` (as OpenAI's clients do)."""
-        if self.key_digest is None:
-            return
+    def check_key(self, request: web.Request) -> int | None:
+        """With API keys: the request must send `Authorization: Bearer KEY` (as OpenAI's clients do)
+        with one of them. Which one (its index), or None without keys."""
+        if not self.key_digests:
+            return None
         scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise APIError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer "
                                 "auth (Authorization: Bearer YOUR_KEY).", code="invalid_api_key")
         given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
-        if not hmac.compare_digest(given, self.key_digest):
+        matches = [hmac.compare_digest(given, digest) for digest in self.key_digests]  # (each compared)
+        if not any(matches):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return matches.index(True)
+
+    def client_of(self, request: web.Request) -> str:
+        """Who the per-client limits count a request against: its API key where the server has
+        several, else its address (admission.py)."""
+        if len(self.key_digests) > 1:
+            return f"key {self.check_key(request)}"  # (checked already: this finds which)
+        return request.remote or "unknown"

@@ -26,7 +26,7 @@ async def local_cluster(p: int, algo: str = "ring", *, host: str = "127.0.0.1", 
     groups = []
     try:
         for inbox in inboxes:
-            listeners.append(await Listener(peers_of(session, inbox), secret=secret).start(host, 0))
+            listeners.append(await Listener(peers_of(session, inbox), secret=secret, session=session).start(host, 0))
         addrs = [(host, lst.port) for lst in listeners]
         groups = await asyncio.gather(*(
             init_process_group(r, p, addrs, session=session, algo=algo, secret=secret, timeout=timeout,

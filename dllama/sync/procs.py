@@ -235,8 +235,8 @@ async def _child_main(cfg: dict) -> None:
 
     session = cfg["session"]
     inbox = ConnectionInbox()
-    listener = await Listener(peers_of(session, inbox), secret=cfg["secret"], rank=cfg["rank"]).start(cfg["host"],
-                                                                                                       cfg["port"])
+    listener = await Listener(peers_of(session, inbox), secret=cfg["secret"], rank=cfg["rank"],
+                              session=session).start(cfg["host"], cfg["port"])
     report("listening", port=listener.port)
     loop = asyncio.get_running_loop()
     line = await loop.run_in_executor(None, sys.stdin.readline)

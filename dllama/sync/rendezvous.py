@@ -77,14 +77,15 @@ async def init_process_group(rank: int, world: int, addrs, *, session: str = "dl
         if addrs[rank] is None:
             raise ValueError(f"rank {rank} must accept connections but has no address")
         incoming = ConnectionInbox()
-        listener = await Listener(peers_of(session, incoming), secret=secret, rank=rank, max_frame=max_frame).start(
+        listener = await Listener(peers_of(session, incoming), secret=secret, rank=rank, session=session,
+                                  max_frame=max_frame).start(
             listen_host or addrs[rank][0], addrs[rank][1])
 
     async def dial_one(j):
         host, port = addrs[j]
         return await connect(host, port, role="peer", rank=rank, world=world, session=session, secret=secret,
                              peer_rank=j, addr=addrs[rank], timeout=timeout, heartbeat=heartbeat,
-                             connect_timeout=connect_timeout, retry=True, max_frame=max_frame)
+                             connect_timeout=connect_timeout, retry=True, max_frame=max_frame, same_session=True)
 
     async def accept_one(j):
         expect = PeerRef(j, *(addrs[j] if addrs[j] else ("?", 0)))
