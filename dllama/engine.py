@@ -177,6 +177,10 @@ class Engine:
         if not n <= min(len(have), self.capacities[dst]):
             raise ValueError(f"cannot copy {n} positions from slot {src} into slot {dst}")
         self.contexts[dst] = have[:n]
+        # a copy into dst asked before and not yet made is superseded: this one writes a longer start of
+        # the same prompt (a request admitted with one slot's start, then a leader's longer one), and a
+        # step copies into a slot once (a worker refuses a step that copies into one twice)
+        self._copies = [c for c in self._copies if c.dst != dst]
         self._copies.append(Copy(src=src, dst=dst, n=n, capacity=self.capacities[dst]))
 
     def rewind(self, n_tokens: int, slot: int = 0) -> None:

@@ -396,6 +396,40 @@ async def test_a_prompt_start_copied_in_the_step_that_computes_it(gguf_model, to
     assert engine.contexts == [a, b]
 
 
+async def test_a_longer_start_supersedes_a_copy_not_yet_made(gguf_model, tokenizer):
+    """A request admitted with an idle slot's start of its prompt (the system prompt), then given a
+    leader's longer start (the leader's whole prompt, computed in the same step) before any step
+    ran: the step copies into its slot once, the longer start (a worker refuses a step that copies
+    into a slot twice: the soak found it, eight clients on a cluster), and it gets the logits
+    computed alone."""
+    a, c = chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, QUESTIONS[1])
+    b = c + tokenizer.encode(" And why?", add_bos=False)
+    short = _common_prefix(a, b)
+    assert 10 < short < len(c)
+    engine = LocalEngine(gguf_model, 256, slots=3)
+    engine.reserve(0, len(a))
+    await engine.step([SeqInput(0, a, GREEDY)])  # slot 0: idle, holding a
+    engine.reserve(1, len(c))
+    engine.reserve(2, len(b))
+    engine.share_prefix(0, 2, short)  # admitted: the system prompt from the idle slot
+    engine.share_prefix(1, 2, len(c), upcoming=c)  # then the leader's whole prompt, computed in this step
+    sent = []
+    run = engine._run
+
+    async def checked_run(tokens, step, preempt):
+        sent.append(step.check(256, 3, gguf_model.config.dim, gguf_model.config.vocab_size, 1 << 30, "FORWARD"))
+        return await run(tokens, step, preempt)
+
+    engine._run = checked_run
+    got_c, got_b = await engine.step([SeqInput(1, c, GREEDY, targets=c[1:] + [0]),
+                                      SeqInput(2, b[len(c):], GREEDY, targets=b[len(c) + 1:] + [0])])
+    assert [(k.src, k.dst, k.n) for k in sent[0].copies] == [(1, 2, len(c))]
+    alone = LocalEngine(gguf_model, 256)
+    assert wire(got_c) == wire(await alone.feed(c, GREEDY, targets=c[1:] + [0]))
+    alone.release(0)
+    assert wire(got_b) == wire((await alone.feed(b, GREEDY, targets=b[1:] + [0]))[len(c):])
+
+
 async def test_a_preempting_step_runs_inside_the_step_in_flight(gguf_model, tokenizer):
     """On one node a step asked with preempt=True runs while the step in flight waits at its next
     sync point: it starts after that one and ends before it, carries only the frees and copies

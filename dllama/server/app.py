@@ -211,6 +211,12 @@ async def _errors_and_counts(request: web.Request, handler):
         if e.status < 400:
             raise
         return _json_error(APIError(e.status, message, code=code))
+    except ConnectionResetError:  # the client went away while its body was being read
+        status = 499
+        log.info("%s %s: client disconnected mid-request", request.method, request.path)
+        resp = web.Response(status=499)
+        resp.force_close()
+        return resp
     except asyncio.CancelledError:
         status = 499  # the client went away (aiohttp cancels its handler), or the server stops
         log.info("%s %s: cancelled (client disconnected)", request.method, request.path)
