@@ -180,7 +180,8 @@ class NodeStep:
             if self.preemption is not None:
                 await self.preemption.wait()
             return partial
-        return await self.group.all_reduce(partial, op="sum", codec=self.codec)
+        # in rank order: a token's sums do not depend on the step's other tokens (batch invariance)
+        return await self.group.all_reduce(partial, op="sum", codec=self.codec, in_rank_order=True)
 
     async def all_gather(self, part: np.ndarray, counts: list[int]) -> np.ndarray:
         if self.group is None:

@@ -112,7 +112,9 @@ class SyncConfig:
         """Seconds of sync per decoded token on `link`, by the collectives' cost model."""
         from .sync.auto import predicted_seconds
 
-        per_layer = sum(predicted_seconds(c, self.algo, n, n_nodes, link.alpha, link.beta, link.gamma)
+        # (the engine's all-reduces sum in rank order: NodeStep.all_reduce)
+        per_layer = sum(predicted_seconds(c, self.algo, n, n_nodes, link.alpha, link.beta, link.gamma,
+                                          in_rank_order=c == "all_reduce")
                         for c, n in self.layer_collectives(config, q8_attention, q8_ffn))
         return config.n_layers * per_layer
 

@@ -74,6 +74,39 @@ async def test_gather_mode_cluster_gives_the_one_node_logits(gguf_model, text_to
         assert (int(best.ids[0]), best.logits[0]) == (int(reference[i].argmax()), reference[i].max()), i
 
 
+async def test_reduce_mode_cluster_logits_do_not_depend_on_chunking(gguf_model, text_tokens, monkeypatch):
+    """Reduce mode (f32 partial sums, --sync auto) is not the 1-node bits, but one request still
+    gets one answer: the all-reduces sum each value in rank order whatever the step's size (auto
+    picks among mesh and star for them), so a position's logits are the same in a step of 1 token
+    and of 64. Ring, which auto would take for 64 tokens' sums, starts each block's sum at a rank
+    that depends on where the block falls in the message."""
+    from dllama.sync.auto import IN_RANK_ORDER, Auto
+
+    from .cluster_helpers import in_process_cluster
+
+    async def a_lan(self):  # every rank the same figures (a 100 us, 100 MB/s link), not loopback's noisy ones
+        self.alpha, self.beta, self.gamma = 100e-6, 1 / 100e6, 1 / 2e9
+        self.decisions.clear()
+
+    monkeypatch.setattr(Auto, "calibrate", a_lan)
+    tokens = text_tokens[:65]
+    greedy = SamplingParams(temperature=0.0)
+    targets = {}
+    async with in_process_cluster(gguf_model, 2, algo="auto", sync_mode="reduce", sync_dtype="f32",
+                                  ctx=N_TEXT_TOKENS + 32) as (engine, _):
+        # (the test's point: without the rank order, auto would take another algorithm for 64 tokens)
+        assert engine.group.choose("all_reduce", 64 * gguf_model.config.dim * 4, "sum") not in IN_RANK_ORDER
+        for chunk in (64, 1):
+            engine.rewind(0)
+            positions = []
+            for start in range(0, len(tokens) - 1, chunk):
+                stop = min(start + chunk, len(tokens) - 1)
+                positions += await engine.feed(tokens[start:stop], greedy, targets=tokens[start + 1:stop + 1])
+            targets[chunk] = [next(s.target_logit for s in per_node if s.target_logit is not None)
+                              for per_node in positions]
+    assert targets[64] == targets[1]
+
+
 # ------------------------------------------------------------------ synthetic models, no llama.cpp
 
 

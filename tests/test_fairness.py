@@ -109,8 +109,10 @@ def test_a_stream_nobody_reads_ends_after_the_write_timeout(model_path):
             assert status == 503 and err["error"]["code"] == "queue_timeout" and int(headers["Retry-After"]) >= 1
             write_timeouts = ("dllama_http_timeouts_total", (("phase", "write"),))
             assert wait_until(lambda: metrics(url)[write_timeouts] == 1, 120)
+            # its slot is freed at the next step (the one in flight completes on every node)
+            freed = lambda m: m[("dllama_requests_running", ())] == 0 and m[("dllama_kv_cache_in_use_tokens", ())] == 0  # noqa: E731
+            assert wait_until(lambda: freed(metrics(url)), 30)
             m = metrics(url)
-            assert m[("dllama_requests_running", ())] == 0 and m[("dllama_kv_cache_in_use_tokens", ())] == 0
             assert m[("dllama_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "499")))] == 1
             generated = m[("dllama_batch_steps_total", ())]
             assert 100 < generated < 1500  # ended by the timeout, not by max_tokens

@@ -27,6 +27,10 @@ CANDIDATES = {
     "broadcast": ("star", "rd", "ring", "rabenseifner"),
     "reduce": ("star", "rd", "rabenseifner"),
 }
+# algorithms that sum each element over the ranks in rank order whatever the message's size: a
+# reduction through them gives a token's values the same bits in a step of any size (ring, recursive
+# doubling and Rabenseifner start each block's sum at a rank that depends on where the block falls)
+IN_RANK_ORDER = ("mesh", "star")
 SLOW_OPS = {"maxloc": 8.0, "minloc": 8.0}  # numpy `where` merges cost more per byte than ufuncs
 
 
@@ -97,13 +101,14 @@ _RUNS_AS = {("all_gather", "rabenseifner"): "rd", ("broadcast", "mesh"): "star",
 
 
 def predicted_seconds(collective: str, algo: str, nbytes: float, p: int, alpha: float, beta: float,
-                      gamma: float) -> float:
+                      gamma: float, in_rank_order: bool = False) -> float:
     """The model's time for one collective of nbytes on p ranks with `algo` ("auto": the cheapest
-    candidate, as Auto would take)."""
+    candidate, as Auto would take; in_rank_order: among IN_RANK_ORDER)."""
     if p == 1:
         return 0.0
     if algo == "auto":
-        return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective])
+        return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective]
+                   if not in_rank_order or name in IN_RANK_ORDER)
     return _COST[collective](_RUNS_AS.get((collective, algo), algo), nbytes, p, alpha, beta, gamma)
 
 
@@ -170,23 +175,24 @@ class Auto(Algorithm):
         return best / x.nbytes
 
     # ------------------------------------------------------------ the model
-    def costs(self, collective: str, nbytes: int, op: str | None = None) -> dict[str, float]:
-        """Predicted seconds of each candidate algorithm."""
+    def costs(self, collective: str, nbytes: int, op: str | None = None,
+              in_rank_order: bool = False) -> dict[str, float]:
+        """Predicted seconds of each candidate algorithm (in_rank_order: of IN_RANK_ORDER's only)."""
         if self.alpha is None:
             raise RuntimeError("auto: not calibrated (the group measures alpha/beta at setup)")
         g = self.gamma * SLOW_OPS.get(op, 1.0)
         p = self.comm.size
         return {name: _COST[collective](name, nbytes, p, self.alpha, self.beta, g)
-                for name in CANDIDATES[collective]}
+                for name in CANDIDATES[collective] if not in_rank_order or name in IN_RANK_ORDER}
 
-    def choose(self, collective: str, nbytes: int, op: str | None = None) -> str:
-        key = (collective, nbytes, op)
+    def choose(self, collective: str, nbytes: int, op: str | None = None, in_rank_order: bool = False) -> str:
+        key = (collective, nbytes, op, in_rank_order)
         name = self.decisions.get(key)
         if name is None:
             if collective not in CANDIDATES or self.comm.size == 1:
                 name = "rd" if collective == "barrier" else "star"
             else:
-                costs = self.costs(collective, nbytes, op)
+                costs = self.costs(collective, nbytes, op, in_rank_order)
                 name = min(costs, key=costs.get)
             if len(self.decisions) > 4096:
                 self.decisions.clear()
@@ -196,7 +202,8 @@ class Auto(Algorithm):
     def describe(self) -> dict:
         return {"alpha_s": self.alpha, "beta_s_per_byte": self.beta, "gamma_s_per_byte": self.gamma,
                 "bandwidth_bytes_per_s": (1.0 / self.beta) if self.beta else None,
-                "decisions": {f"{k[0]}:{k[1]}B:{k[2] or '-'}": v for k, v in self.decisions.items()}}
+                "decisions": {f"{k[0]}:{k[1]}B:{k[2] or '-'}{':in-rank-order' if k[3] else ''}": v
+                              for k, v in self.decisions.items()}}
 
     # ------------------------------------------------------------ delegation
     def _pick(self, collective, nbytes, op=None) -> Algorithm:

@@ -132,9 +132,11 @@ class ProcessGroup:
 
     # ------------------------------------------------------------ collectives
     async def all_reduce(self, a: np.ndarray, op: str = "sum", codec: str | None = None, *,
-                         algo: str | None = None) -> np.ndarray:
+                         algo: str | None = None, in_rank_order: bool = False) -> np.ndarray:
         """Reduce `a` across all ranks, in place; returns `a`. `codec` (f16, q80) compresses the
-        payload of float arrays for sum/avg; every rank still ends bit-identical."""
+        payload of float arrays for sum/avg; every rank still ends bit-identical. in_rank_order:
+        auto picks among the algorithms that sum each element in rank order whatever the size
+        (auto.IN_RANK_ORDER), so that an element's result does not depend on what else `a` holds."""
         # The engine reduces the same shapes over and over: arguments are validated once per
         # (op, codec, dtype, size), and the reducer (with its scratch views) is kept.
         try:
@@ -155,6 +157,8 @@ class ProcessGroup:
                 self._reducers.clear()
             red = self._reducers[(op, codec, a.dtype, a.size)] = Reducer(flat, opx, cdc, self._scratch)
         if self.size > 1 and flat.size:
+            if algo is None and in_rank_order and self.algo == "auto":
+                algo = self.auto.choose("all_reduce", red.wire_total(), red.op.name, in_rank_order=True)
             await self._calls.run(self._default.all_reduce(red) if algo is None else self._algorithm(algo).all_reduce(red))
         if red.op.finish is not None:
             red.op.finish(flat, self.size)
