@@ -31,7 +31,6 @@ from .openai_schema import OPENAI_SAMPLING, GenerationRequest
 log = logging.getLogger("dllama.server")
 
 
-
 class ClientGone(Exception):
     """A streaming client disconnected: nothing more to send, count it as 499."""
 
