@@ -30,6 +30,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from dllama.cluster.node import rss_mb
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DLLAMA = [sys.executable, "-m", "dllama"]
 CTX = 512
@@ -119,14 +121,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def open_fds(pid: int) -> int:

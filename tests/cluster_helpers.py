@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -17,6 +18,7 @@ import numpy as np
 
 from dllama.cluster import messages as M
 from dllama.cluster import protocol as P
+from dllama.cluster.node import rss_mb
 from dllama.cluster.root import ClusterEngine
 from dllama.cluster.slices import make_entry, tensor_bytes
 from dllama.cluster.worker import Worker
@@ -53,6 +55,13 @@ async def in_process_cluster(model, n_workers: int, *, algo: str = "ring", sync_
             await w.close()
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on (for now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class WorkerProcess:
     """`dllama worker` as a real process on a free loopback port. log_file: where its log goes
     (a file is never full, unlike a pipe nobody reads while a long test runs)."""
@@ -80,11 +89,7 @@ class WorkerProcess:
         return self.proc.stderr.read() if self.proc.poll() is not None else ""
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
+        return rss_mb(self.proc.pid)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         self.proc.send_signal(sig)
@@ -197,12 +202,7 @@ class HandRoot:
     async def open_session(self) -> None:
         """A whole valid set-up: SETUP, the slices the worker lacks, GO, the sync group, READY."""
         self.current = self.setup()
-        kind, body = await self.send_setup(M.to_wire(self.current))
-        assert kind == P.NEED.name, body
-        await self.send_tensors(body["names"])
-        kind, body = await self.reply(P.LOADED, timeout=60)
-        assert kind == P.LOADED.name, body
-        await self.conn.send_msg(P.GO, {})
+        await self.load(self.current)
         self.group = await init_process_group(0, 2, [None, (self.host, self.port)], session=self.session, algo="star",
                                               timeout=self.timeout, spin=0.0)
         kind, body = await self.reply(P.READY)
@@ -210,6 +210,15 @@ class HandRoot:
         model = ShardModel(self.config, self.plan.shards[0], self.own_weights, self.ctx,
                            SyncConfig("star", "gather", "f32").projection(self.plan.shards, self.config.head_dim))
         self.step = NodeStep(model, self.group, None)
+
+    async def load(self, setup: M.Setup) -> None:
+        """SETUP, the slices the worker lacks, and GO once it has loaded them: it joins the sync group next."""
+        kind, body = await self.send_setup(M.to_wire(setup))
+        assert kind == P.NEED.name, body
+        await self.send_tensors(body["names"])
+        kind, body = await self.reply(P.LOADED, timeout=60)
+        assert kind == P.LOADED.name, body
+        await self.conn.send_msg(P.GO, {})
 
     async def send_step(self, body: dict, activations, run: Step | None,
                         activations_kind=P.ACTIVATIONS) -> tuple[str, dict]:

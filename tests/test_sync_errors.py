@@ -11,6 +11,7 @@ import pytest
 from dllama.errors import MalformedFrame, NetworkError, PeerAborted, ProtocolError
 from dllama.sync import algo_name, init_process_group, local_cluster
 
+from .cluster_helpers import free_port
 from .sync_helpers import on_all
 
 
@@ -90,11 +91,4 @@ async def test_group_setup_errors():
         await init_process_group(0, 3, [("127.0.0.1", 1)])
     with pytest.raises(NetworkError, match=r"rank 1 \(127\.0\.0\.1:\d+\)"):
         # nobody listens at rank 1's address: refused until connect_timeout, then a clear error
-        await init_process_group(0, 2, [None, ("127.0.0.1", _free_port())], connect_timeout=0.5)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        await init_process_group(0, 2, [None, ("127.0.0.1", free_port())], connect_timeout=0.5)

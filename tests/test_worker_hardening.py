@@ -11,7 +11,6 @@ import hashlib
 import math
 import os
 import re
-import socket
 import subprocess
 import time
 from dataclasses import fields
@@ -31,11 +30,12 @@ from dllama.gguf_model import GGUFModel
 from dllama.model import shard_tensors
 from dllama.plan import shard_tensor_shapes
 from dllama.net import connect
+from dllama.net.endpoints import MAX_CONNECT_ATTEMPTS
 from dllama.plan import Plan
 from dllama.quant import QType
 from dllama.weights import Matrix
 
-from .cluster_helpers import DLLAMA, HandRoot, WorkerProcess, one_node_answer, root_answer
+from .cluster_helpers import DLLAMA, HandRoot, WorkerProcess, free_port, one_node_answer, root_answer
 
 PROMPT = [1, 17, 300, 4242, 99]
 N_TOKENS = 6
@@ -474,19 +474,13 @@ def test_busy_refusals_are_rate_limited_in_the_log(tmp_path):
 BANNER = b"SSH-2.0-OpenSSH_9.6 private-banner-1234\r\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_worker_dials_only_its_own_cluster_and_repeats_nothing_it_hears(worker, model, answer):
     """Whoever sends SETUP (no --secret: anyone) names the peers the worker dials. An address that
     answers otherwise than a node of this cluster (a service's banner, an idle worker serving no
     session) or refuses fails the session with an error that names the address and never what
     came back from it; a refused address gets a bounded number of attempts."""
     other = WorkerProcess("--timeout", "5")
-    closed = _free_port()
+    closed = free_port()
     errors = {}
 
     async def banner(reader, writer):
@@ -502,13 +496,7 @@ def test_a_worker_dials_only_its_own_cluster_and_repeats_nothing_it_hears(worker
             for name, port in (("banner", banner_port), ("other cluster", other.port), ("closed", closed)):
                 root = HandRoot(model, _address(worker))
                 try:
-                    setup = root.setup(addrs=[("127.0.0.1", port), _address(worker)])
-                    kind, body = await root.send_setup(M.to_wire(setup))
-                    assert kind == P.NEED.name, body
-                    await root.send_tensors(body["names"])
-                    kind, body = await root.reply(P.LOADED, timeout=60)
-                    assert kind == P.LOADED.name, body
-                    await root.conn.send_msg(P.GO, {})
+                    await root.load(root.setup(addrs=[("127.0.0.1", port), _address(worker)]))
                     t0 = time.monotonic()
                     kind, body = await root.reply(P.READY, timeout=60)
                     assert kind == P.FAILED.name, (name, body)
@@ -528,7 +516,8 @@ def test_a_worker_dials_only_its_own_cluster_and_repeats_nothing_it_hears(worker
         assert "rank 0" in error and (port is None or f"127.0.0.1:{port}" in error), error
     assert "does not speak the dllama protocol" in errors["banner"][0]
     assert "is not a node of this cluster" in errors["other cluster"][0]
-    assert "connection refused" in errors["closed"][0].lower() and "(30 attempts)" in errors["closed"][0]
+    assert "connection refused" in errors["closed"][0].lower()
+    assert f"({MAX_CONNECT_ATTEMPTS} attempts)" in errors["closed"][0]
     assert errors["closed"][1] < 25  # the attempts ran out, not the 30 s connect timeout
     log = worker.log()
     for text in (log, other_log, *(e for e, _t in errors.values())):

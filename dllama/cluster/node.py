@@ -20,9 +20,10 @@ def mem_available() -> int | None:
     return None
 
 
-def rss_mb() -> float:
+def rss_mb(pid: int | None = None) -> float:
+    """Resident memory in MB of this process (or `pid`); 0.0 where unknown."""
     try:
-        with open(f"/proc/{os.getpid()}/status") as f:
+        with open(f"/proc/{os.getpid() if pid is None else pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024

@@ -100,6 +100,11 @@ _RUNS_AS = {("all_gather", "rabenseifner"): "rd", ("broadcast", "mesh"): "star",
             ("reduce", "ring"): "star"}
 
 
+def candidates(collective: str, in_rank_order: bool = False) -> tuple[str, ...]:
+    """The algorithms auto weighs for a collective (in_rank_order: those of IN_RANK_ORDER only)."""
+    return tuple(name for name in CANDIDATES[collective] if not in_rank_order or name in IN_RANK_ORDER)
+
+
 def predicted_seconds(collective: str, algo: str, nbytes: float, p: int, alpha: float, beta: float,
                       gamma: float, in_rank_order: bool = False) -> float:
     """The model's time for one collective of nbytes on p ranks with `algo` ("auto": the cheapest
@@ -107,8 +112,8 @@ def predicted_seconds(collective: str, algo: str, nbytes: float, p: int, alpha: 
     if p == 1:
         return 0.0
     if algo == "auto":
-        return min(_COST[collective](name, nbytes, p, alpha, beta, gamma) for name in CANDIDATES[collective]
-                   if not in_rank_order or name in IN_RANK_ORDER)
+        return min(_COST[collective](name, nbytes, p, alpha, beta, gamma)
+                   for name in candidates(collective, in_rank_order))
     return _COST[collective](_RUNS_AS.get((collective, algo), algo), nbytes, p, alpha, beta, gamma)
 
 
@@ -183,7 +188,7 @@ class Auto(Algorithm):
         g = self.gamma * SLOW_OPS.get(op, 1.0)
         p = self.comm.size
         return {name: _COST[collective](name, nbytes, p, self.alpha, self.beta, g)
-                for name in CANDIDATES[collective] if not in_rank_order or name in IN_RANK_ORDER}
+                for name in candidates(collective, in_rank_order)}
 
     def choose(self, collective: str, nbytes: int, op: str | None = None, in_rank_order: bool = False) -> str:
         key = (collective, nbytes, op, in_rank_order)
