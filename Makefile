@@ -10,12 +10,16 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -
 AMX_OFF   := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 NO_AMX    := $(shell cc $(AMX_OFF) -E -x c /dev/null >/dev/null 2>&1 && echo '$(AMX_OFF)')
 # only the library the bindings load: not the multimodal one (mtmd, loaded only by llava chat handlers),
-# tools, examples or tests (benchmarks/build_llama_server.sh builds llama-server)
+# tools, examples or tests (benchmarks/build_llama_server.sh builds llama-server), nor llama.cpp's
+# `common` (argument parsing, chat parsers, a Jinja engine, an HTTP client: over half the build's CPU), which
+# the bindings do not load but their CMakeLists turns on with FORCE: a file that CMake includes right
+# after llama.cpp's project() turns it off again
+LLAMA_NO_COMMON := $(abspath $(VENV))/llama-no-common.cmake
 LLAMA_LIB_ONLY := -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-                  -DLLAMA_BUILD_TESTS=OFF
+                  -DLLAMA_BUILD_TESTS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_NO_COMMON)
 LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: install llama-cpp kernels model chat test test-all aarch64 reference-avx2 browser bench bench-deps clean
+.PHONY: install llama-cpp kernels model chat test test-all kernels-every-format aarch64 aarch64-runs reference-avx2 browser bench bench-deps clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +33,9 @@ $(STAMP): pyproject.toml Makefile
 llama-cpp:
 	$(BIN)/python -c 'import llama_cpp, sys; sys.exit("$(LLAMA_CPP)" != "llama-cpp-python==" + llama_cpp.__version__ \
 	    or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null \
-	    || CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" CMAKE_ARGS="$$CMAKE_ARGS $(LLAMA_LIB_ONLY)" \
-	    $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps '$(LLAMA_CPP)'
+	    || { echo 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "" FORCE)' > $(LLAMA_NO_COMMON) \
+	    && CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" CMAKE_ARGS="$$CMAKE_ARGS $(LLAMA_LIB_ONLY)" \
+	    $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps '$(LLAMA_CPP)'; }
 
 # meanwhile, everything else, and the kernels the default model needs (compiled once, cached)
 kernels:
@@ -38,6 +43,11 @@ kernels:
 	$(BIN)/python -m dllama.kernels.warmup
 
 install: $(STAMP)
+
+# for the suite, the kernels of every format and operation, compiled once: else its processes compile
+# what they need, a cluster's three at the same time (a suite with a cold kernel cache took 7 minutes longer)
+kernels-every-format: install
+	$(BIN)/python -m dllama.kernels.warmup --every-format
 
 model: install
 	$(BIN)/dllama models pull --quiet
@@ -50,6 +60,11 @@ chat: model
 aarch64:
 	sh tests/aarch64/build_chroot.sh
 
+# the default suite's emulated runs, started in the background as soon as the chroot is there: they are
+# the suite's longest part and take the CPU the llama-cpp-python build leaves idle (pytest adopts them)
+aarch64-runs: aarch64
+	$(PYTHON) tests/aarch64/runs.py start
+
 # llama.cpp built a second way, for AVX2 without AVX-512, in .reference-avx2/ (once): on a CPU with
 # AVX-512 the native build sums in another order, and tests/test_fidelity_avx2.py runs the bit-for-bit
 # fidelity tests against this one instead. Elsewhere it is not needed and the script says so.
@@ -61,18 +76,18 @@ reference-avx2: install
 browser: aarch64  # after it: two apt-get runs at once could fail on the package lists' lock
 	sh tests/browser/install_chromium.sh
 
-# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles. The suite runs in two
-# processes, a test file each at a time (pytest-xdist): most tests wait on other processes (workers,
-# servers, llama.cpp); the emulated aarch64 runs take what CPU is left (tests/test_aarch64.py)
+# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles, then the emulated aarch64
+# runs start. The suite runs in two processes, a test file each at a time (pytest-xdist): most tests wait
+# on other processes (workers, servers, llama.cpp); the aarch64 runs take what CPU is left.
 PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --durations 25
 
 test:
-	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
+	$(MAKE) --jobs=2 model kernels-every-format aarch64-runs reference-avx2 browser
 	$(PYTEST)
 
 # the default suite and the tests marked slow: properties the default suite tests, at bigger sizes
 test-all:
-	$(MAKE) --jobs=2 model aarch64 reference-avx2 browser
+	$(MAKE) --jobs=2 model kernels-every-format aarch64-runs reference-avx2 browser
 	$(PYTEST) -m "slow or not slow"
 
 # Benchmarks need Open MPI for the collective baseline (Debian: openmpi-bin libopenmpi-dev).

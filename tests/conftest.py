@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from .aarch64 import runs
 from .engine_helpers import SYNTHETIC_SPECS, write_synthetic_model
 
 
@@ -158,12 +159,10 @@ def pytest_collection_finish(session):
     rest of the suite leaves idle (at the lowest priority) instead of running alone at the end."""
     module = None if session.config.option.collectonly else _aarch64_module(session)
     if module is not None:
-        module.start_inner_runs(session.config, sorted({module.RUN_OF_TEST[item.name] for item in session.items
-                                                        if _is_aarch64_test(item)}))
+        runs.start(sorted({module.RUN_OF_TEST[item.name] for item in session.items if _is_aarch64_test(item)}))
 
 
 def pytest_sessionfinish(session):
     """The run's controller (or the one process without xdist) ends the inner runs, whoever started them."""
-    from . import test_aarch64
-
-    test_aarch64.stop_inner_runs(session.config)
+    if not hasattr(session.config, "workerinput"):
+        runs.stop()

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import numba
+import numpy as np
 
 # numba's on-disk cache of every kernel (cache=CACHE); set DLLAMA_NO_JIT_CACHE to inspect the generated assembly
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ
@@ -32,6 +33,17 @@ if CACHE and not os.environ.get("NUMBA_CACHE_DIR"):
             numba.config.CACHE_DIR = str(_dir)
     except OSError:
         pass
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, or a read-only view of it. numba compiles a kernel once per argument type, and whether an
+    array is writable is part of its type: the kernels take weights read-only (as a GGUF map gives
+    them), so that one compiled kernel serves weights loaded or converted in RAM as well (a cold
+    test suite compiled _mm_quant eight times, four of them for writable weights only tests make)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
 
 # Up to this many values, a kernel of independent rows (RMSNorm, RoPE, SiLU, Q8 quantization) runs on
 # the calling thread: a thread team's start and its barrier cost more than the work, and more again

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
-from . import CACHE
+from . import CACHE, read_only
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at,
                           strip_f16_f32, tile_f16_f32)
@@ -689,6 +689,7 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
             (_mm_packed_spans if spanned else _mm_packed)(w.groups, w.rows, n, *tile, PARTS, kernel, a.q, xt, a.d,
                                                           a.ds, out)
         return out
+    w = read_only(w)
     if qtype in _QUANT_KERNEL:
         a = x.q8
         _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..config import RopeScaling
-from . import CACHE, SERIAL_VALUES
+from . import CACHE, SERIAL_VALUES, read_only
 from .simd_float import f16_bits, f32_bits, f32_from_bits, f64_bits, f64_from_bits, fma, fma64
 
 # ------------------------------------------------------------------ RMSNorm
@@ -94,7 +94,7 @@ def _rmsnorm(x, weight, eps, out):
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(x)
-    _rmsnorm(x, weight, np.float32(eps), out)
+    _rmsnorm(x, read_only(weight), np.float32(eps), out)
     return out
 
 
@@ -171,7 +171,7 @@ def rope_angles(pos: np.ndarray, n_dims: int, base: float, freq_factors: np.ndar
     if freq_factors is None:
         freq_factors = np.ones(n_dims // 2, np.float32)
     f32 = np.float32
-    return _rope_angles(np.asarray(pos, np.int64), n_dims, f32(base), freq_factors, f32(scaling.freq_scale),
+    return _rope_angles(np.asarray(pos, np.int64), n_dims, f32(base), read_only(freq_factors), f32(scaling.freq_scale),
                         f32(scaling.ext_factor), f32(scaling.corr_dims[0]), f32(scaling.corr_dims[1]),
                         f32(scaling.mscale))
 
