@@ -209,9 +209,14 @@ class Batcher:
         for s, q, n, summaries in zip(streams, seqs, fed, results):
             del s.pending[:n]
             self.last_used[s.slot] = time.monotonic()
+            drafts = q.tokens[n:]  # (a decoding stream's, verified after its pending token)
             try:
-                done = q.want_logits and s.take(summaries[-1], len(engine.contexts[s.slot]) >= engine.ctx_size,
-                                                engine.stats)
+                held = len(engine.contexts[s.slot])
+                if drafts:
+                    done, kept = s.take_drafted(summaries, drafts, held, engine.ctx_size, engine.stats)
+                    engine.rewind(held - len(drafts) + kept, s.slot)  # the refused drafts are no part of it
+                else:
+                    done = q.want_logits and s.take(summaries[-1], held >= engine.ctx_size, engine.stats)
             except Exception as e:  # its sampler or its caller's callback: that request alone fails
                 log.exception("a request failed after a step")
                 done = s.finish(engine.stats, "error", _internal_error(e))
@@ -249,10 +254,14 @@ class Batcher:
         if not alone:
             self._alone_tokens = 0
         for s in [] if alone else decoding:
+            # speculation: drafts verified after the pending token, within its cache and the context
+            space = min(self.engine.capacities[s.slot], self.engine.ctx_size) - len(contexts[s.slot]) - 1
+            drafts = s.draft(space)
             streams.append(s)
-            seqs.append(SeqInput(s.slot, list(s.pending), s.params, s.recent(contexts[s.slot], 1)))
+            seqs.append(SeqInput(s.slot, s.pending + drafts, s.params, s.recent(contexts[s.slot], 1),
+                                 all_logits=bool(drafts)))
             fed.append(1)
-        room = MAX_STEP_TOKENS - len(seqs)
+        room = MAX_STEP_TOKENS - sum(len(q.tokens) for q in seqs)
         prefill = min(room, left if alone else delay) if decoding else room  # (all of it, beside the decoders)
         planned = {}  # the prompt tokens each stream computes in this step
         for s in self.active:

@@ -60,6 +60,7 @@ class SeqInput:
     recent: list[int] = ()
     targets: list[int] | None = None
     want_logits: bool = True
+    all_logits: bool = False  # every position's (speculation: a draft's verification), not the last one's
 
 
 class Engine:
@@ -206,7 +207,7 @@ class Engine:
                 raise ContextOverflow(f"{start + len(s.tokens)} tokens do not fit the "
                                       f"{self.capacities[s.slot]} positions reserved for slot {s.slot}")
             wire.append(Seq.of(s.slot, start, len(s.tokens), self.capacities[s.slot], s.params, s.recent,
-                               s.targets, s.want_logits))
+                               s.targets, s.want_logits, s.all_logits))
             tokens += s.tokens
         sent_free = {slot for other in self._in_flight for slot in other.free}
         sent_copies = [c for other in self._in_flight for c in other.copies]

@@ -27,14 +27,15 @@ class Generator:
 
     async def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int,
                        stop: list[str] = (), on_text: Callable[[str], None] | None = None,
-                       on_start: Callable[[], None] | None = None) -> Generation:
+                       on_start: Callable[[], None] | None = None, speculate: str = "off") -> Generation:
         """Generate after `prompt`, alongside whatever else runs on the engine. Cancelling the
         caller (a client that went away) frees its slot at the next step: a step in flight always
         completes, so every node stays in step. on_text gets the text as it streams; on_start is
-        called once the request has a slot (until then it waits its turn)."""
+        called once the request has a slot (until then it waits its turn). speculate: "ngram" drafts
+        tokens from the sequence itself and verifies them in its steps (speculate.py: the same tokens)."""
         if not prompt:
             raise DllamaError("the prompt is empty")
         if len(prompt) > self.engine.ctx_size:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.ctx_size}")
         return await self.batcher.submit(Stream(prompt, params, max_tokens, stop, on_text, self.tokenizer,
-                                                 on_start))
+                                                 on_start, speculate))

@@ -71,8 +71,8 @@ class Seq(WireStruct):
 
     @classmethod
     def of(cls, slot: int, start: int, n: int, capacity: int, params: SamplingParams, recent=(), targets=None,
-           want_logits: bool = True) -> "Seq":
-        logits = "none" if not want_logits else ("all" if targets is not None else "last")
+           want_logits: bool = True, all_logits: bool = False) -> "Seq":
+        logits = "none" if not want_logits else ("all" if targets is not None or all_logits else "last")
         return cls(slot=slot, start=start, n=n, capacity=capacity, logits=logits, params=StepSampling.of(params),
                    recent=list(recent), targets=None if targets is None else list(targets))
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 from .engine import Engine, StepStats
 from .sampling import Sampler, SamplingParams
+from .speculate import MODES, DraftLength, NgramIndex
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -24,13 +25,16 @@ class Generation:
     error: str | None = None
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the KV cache)
     prefill_s: float = 0.0
-    decode_steps: int = 0  # forward passes of one generated token (the first comes from the prefill)
+    decode_steps: int = 0  # forward passes after the prompt's (whose logits give the first token)
+    decode_tokens: int = 0  # tokens those passes sampled: one each, more with speculation (drafts kept)
+    drafted: int = 0  # speculation: tokens drafted, and how many of them the sampler kept
+    accepted: int = 0
     decode_s: float = 0.0
     decode_stats: StepStats = field(default_factory=StepStats)
 
     def report(self, engine: Engine) -> dict:
         """The `inference --json` object of design.md."""
-        n = max(self.decode_steps, 1)
+        n = max(self.decode_tokens, 1)
         per_token = lambda v: v / n  # noqa: E731
         return {
             "text": self.text,
@@ -43,7 +47,9 @@ class Generation:
             "sync_dtype": engine.sync.dtype,
             "sync_mode": engine.sync.mode,
             "sync_choice": engine.sync_choice,
-            "tokens_per_s": self.decode_steps / self.decode_s if self.decode_s else 0.0,
+            "tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            "decode_steps": self.decode_steps,
+            "speculation": {"drafted": self.drafted, "accepted": self.accepted},
             "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
             "ms_per_token": {
                 "total": per_token(self.decode_s) * 1e3,
@@ -68,7 +74,7 @@ class Stream:
     streamed, and its Generation once done."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop, on_text,
-                 tokenizer: Tokenizer, on_start: Callable[[], None] | None = None):
+                 tokenizer: Tokenizer, on_start: Callable[[], None] | None = None, speculate: str = "off"):
         self.prompt, self.params, self.max_tokens = prompt, params, max_tokens
         self.on_start = on_start
         self.tokenizer = tokenizer
@@ -78,6 +84,12 @@ class Stream:
         self.decoder = StreamDecoder(tokenizer)
         # the recent tokens only matter (and only travel to the workers) with a repetition penalty
         self.window = params.repeat_last_n if params.repeat_penalty != 1.0 else 0
+        # speculation: the nodes summarize a step's positions with one list of recent tokens, which a
+        # repetition penalty would need per position, so a request with one decodes plainly
+        if speculate not in MODES:
+            raise ValueError(f"speculate must be one of {', '.join(MODES)}, not {speculate!r}")
+        self.draft_length = DraftLength() if speculate == "ngram" and not self.window else None
+        self.lookup = NgramIndex() if self.draft_length else None  # the prompt and the answer so far
         self.slot: int | None = None
         self.pending: list[int] = []  # what the next steps feed: the prompt's rest, then the last token
         self.decoding = False  # past the prompt
@@ -101,18 +113,61 @@ class Stream:
         tokens, which follow `context`."""
         return _last(context + self.pending[:fed], self.window) if self.window else []
 
+    def draft(self, room: int) -> list[int]:
+        """Tokens to verify after the pending one in the next step (none without speculation): at
+        most `room` (what its KV cache and the context hold past the pending token), nor more than
+        the tokens the request may still produce after it."""
+        if self.draft_length is None or not self.decoding:
+            return []
+        if not self.lookup.tokens:
+            self.lookup.extend(self.prompt + self.out.tokens)
+        return self.lookup.draft(min(self.draft_length.k, room, self.max_tokens - len(self.out.tokens) - 1))
+
     def take(self, summaries, context_full: bool, stats: StepStats) -> bool:
         """The summaries (one per node) of the last position fed are in: sample. True when done."""
+        if self._count_step(stats):
+            self.out.decode_tokens += 1
+        return self._emit(self.sampler.pick(summaries), context_full, stats)
+
+    def take_drafted(self, positions, drafts: list[int], context: int, ctx_size: int,
+                     stats: StepStats) -> tuple[bool, int]:
+        """The summaries of the pending token's position and of each draft after it are in (the
+        sequence holds `context` tokens up to the last draft): sample them in order, keeping a draft
+        while the sample is that token; the first sample that differs is emitted as plain decoding
+        would. (True when done, the drafts kept.)"""
+        self._count_step(stats)
+        self.out.drafted += len(drafts)
+        kept = 0
+        for j, summaries in enumerate(positions):
+            token = self.sampler.pick(summaries)
+            self.out.decode_tokens += 1
+            held = context - len(drafts) + j  # the sequence up to this position
+            if self._emit(token, held >= ctx_size, stats):
+                break
+            if j == len(drafts) or token != drafts[j]:
+                break
+            kept += 1
+        self.out.accepted += kept
+        self.draft_length.update(len(drafts), kept)
+        return self.done.done(), kept
+
+    def _count_step(self, stats: StepStats) -> bool:
+        """A step's logits are in: the prompt's (False), or a decode step's (True)."""
         if not self.decoding:
             self.decoding = True
             self.out.prefill_s = time.perf_counter() - self.t0
             self.decode_t0, self.stats0 = time.perf_counter(), stats.copy()
-        else:
-            self.out.decode_steps += 1
-        token = self.sampler.pick(summaries)
+            return False
+        self.out.decode_steps += 1
+        return True
+
+    def _emit(self, token: int, context_full: bool, stats: StepStats) -> bool:
+        """A sampled token: the answer's next, or its end. True when done."""
         if self.tokenizer.is_eog(token):
             return self.finish(stats, "stop")
         self.out.tokens.append(token)
+        if self.lookup is not None and self.lookup.tokens:
+            self.lookup.extend([token])
         if self.emitter.push(self.decoder.feed(token)):
             return self.finish(stats, "stop")
         if len(self.out.tokens) == self.max_tokens or context_full:

@@ -67,15 +67,16 @@ def _check(inner_result, report_in_summary, what: str, dotprod: bool) -> str:
 
 
 def test_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
-    """Every format's matmuls (and the quantizers) on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON,
+    """The quantized formats' matmuls (and the quantizers) on a plain ARMv8 CPU (a Pi 4's Cortex-A72: NEON,
     no dot product)."""
-    _check(inner_result, report_in_summary, "aarch64 under qemu (every format's matmuls, the quantizers)", False)
+    _check(inner_result, report_in_summary, "aarch64 under qemu (the quantized matmuls, the quantizers)", False)
 
 
 def test_dot_product_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
-    """The quantized matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
-    by qemu, which implements sdot: the same tests, and the instruction in the generated code."""
-    out = _check(inner_result, report_in_summary, "aarch64 with the dot product under qemu (the matmuls)", True)
+    """Every format's matmuls as compiled for a Pi 5 (Cortex-A76, ARMv8.2 dot product: sdot) and run
+    by qemu, which implements sdot: the quantized ones as on the Pi 4, the float ones, and the
+    instruction in the generated code."""
+    out = _check(inner_result, report_in_summary, "aarch64 with the dot product under qemu (every format's matmuls)", True)
     assert "PASSED tests/test_kernels.py::test_quantized_dots_use_sdot_on_aarch64" in out, out[-3000:]
 
 

@@ -15,6 +15,7 @@ import click
 
 from ..errors import DllamaError
 from ..sampling import SamplingParams
+from ..speculate import MODES
 from ..sync import ALGO_NAMES
 from ..sync_config import MODE_CHOICES, SYNC_DTYPES, SyncConfig
 
@@ -97,6 +98,20 @@ def sampling_options(f):
         return f(*args, **kwargs)
 
     return wrapper
+
+
+def speculate_option(f):
+    return click.option("--speculate", type=click.Choice(MODES), default="off", show_default=True,
+                        help="Draft tokens from the text so far (ngram: prompt lookup) and verify them in one step "
+                             "each: fewer steps (on a cluster, round trips) for the same tokens.")(f)
+
+
+def speculation(opts: dict, params: SamplingParams) -> str:
+    """--speculate, checked against the sampling options."""
+    if opts["speculate"] != "off" and params.repeat_penalty != 1.0:
+        raise DllamaError("--speculate needs --repeat-penalty 1: the nodes apply a penalty per step, not per "
+                          "drafted position")
+    return opts["speculate"]
 
 
 def sampling_params(opts: dict) -> SamplingParams:

@@ -15,13 +15,14 @@ from ..generate import Generator
 from ..stream import peak_rss_mb
 from ..sampling import SamplingParams, target_logprob
 from .common import (cluster_options, info, model_options, open_runtime, read_text_file, run_async,
-                     sampling_options, sampling_params, stdout_write)
+                     sampling_options, sampling_params, speculate_option, speculation, stdout_write)
 
 
 @click.command()
 @model_options
 @cluster_options
 @sampling_options
+@speculate_option
 @click.option("--prompt", "-p", required=True, help="Raw prompt (no chat template), like llama.cpp's completion.")
 @click.option("--steps", "-n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate at most.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
@@ -33,6 +34,7 @@ def inference(prompt, steps, stop, as_json, **opts):
 
 async def _inference(prompt, steps, stop, as_json, opts):
     params = sampling_params(opts)  # (checked before anything loads)
+    speculate = speculation(opts, params)
     rt = await open_runtime(opts, quiet=as_json, compute_here=True)
     try:
         ids = rt.tokenizer.encode(prompt)
@@ -42,7 +44,7 @@ async def _inference(prompt, steps, stop, as_json, opts):
         if not as_json:
             stdout_write(prompt)
         gen = await Generator(rt.engine, rt.tokenizer).generate(
-            ids, params, steps, stop, on_text=None if as_json else stdout_write)
+            ids, params, steps, stop, on_text=None if as_json else stdout_write, speculate=speculate)
         report = gen.report(rt.engine)
         if as_json:
             click.echo(json.dumps(report))
@@ -64,6 +66,7 @@ async def _inference(prompt, steps, stop, as_json, opts):
 @model_options
 @cluster_options
 @sampling_options
+@speculate_option
 @click.option("--system", "system_prompt", default=None, help="System prompt.")
 @click.option("--max-tokens", "-n", type=click.IntRange(1), default=512, show_default=True,
               help="Tokens per answer at most.")
@@ -74,6 +77,7 @@ def chat(system_prompt, max_tokens, **opts):
 
 async def _chat(system_prompt, max_tokens, opts):
     params = sampling_params(opts)  # (checked before anything loads)
+    speculate = speculation(opts, params)
     rt = await open_runtime(opts, compute_here=True)
     try:
         if not rt.tokenizer.has_chat_template:
@@ -96,13 +100,13 @@ async def _chat(system_prompt, max_tokens, opts):
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
             ids = rt.tokenizer.chat_ids(messages)
-            gen = await generator.generate(ids, params, max_tokens, on_text=stdout_write)
+            gen = await generator.generate(ids, params, max_tokens, on_text=stdout_write, speculate=speculate)
             stdout_write("\n")
             if gen.error:
                 raise DllamaError(f"{gen.error} (the answer so far is above)")
             messages.append({"role": "assistant", "content": gen.text})
             if interactive:
-                info(f"[{len(gen.tokens)} tokens, {gen.decode_steps / gen.decode_s if gen.decode_s else 0:.1f} tok/s, "
+                info(f"[{len(gen.tokens)} tokens, {gen.decode_tokens / gen.decode_s if gen.decode_s else 0:.1f} tok/s, "
                      f"{gen.prefill_tokens} prompt tokens computed, {len(ids) - gen.prefill_tokens} reused]")
     finally:
         await rt.close()

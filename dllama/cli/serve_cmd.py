@@ -14,7 +14,7 @@ from click.core import ParameterSource
 
 from ..kv_cache import MAX_SLOTS
 from .common import (cluster_options, info, model_options, open_runtime, require_credential_off_loopback, run_async,
-                     sampling_options, sampling_params)
+                     sampling_options, sampling_params, speculate_option, speculation)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repeat_penalty", "seed")
 DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core machine (benchmarks/bench_serve.py)
@@ -24,6 +24,7 @@ DEFAULT_MAX_BATCH = 8  # where aggregate decode speed levels off on a 2-core mac
 @model_options
 @cluster_options
 @sampling_options
+@speculate_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
 @click.option("--max-batch", type=click.IntRange(1, MAX_SLOTS), default=DEFAULT_MAX_BATCH, show_default=True,
@@ -78,7 +79,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     api_keys = tuple(key for key in api_keys if key)  # DLLAMA_API_KEY= (empty) means no key
     require_credential_off_loopback(host, api_keys[0] if api_keys else None, insecure, what="API key",
                                     how="--api-key KEY (or DLLAMA_API_KEY)", whom="it")
-    sampling_params(opts)  # the options' ranges, checked as the other commands check them
+    speculate = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
@@ -86,7 +87,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
                           max_body_bytes=max_body_bytes, sampling=replace(OPENAI_SAMPLING, **given), api_keys=api_keys,
                           header_timeout=header_timeout, body_timeout=body_timeout, write_timeout=write_timeout,
                           max_connections=max_connections, max_running_per_client=max_requests_per_client,
-                          max_queued_per_client=max_queued_per_client, queue_timeout=queue_timeout)
+                          max_queued_per_client=max_queued_per_client, queue_timeout=queue_timeout, speculate=speculate)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)

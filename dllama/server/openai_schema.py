@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..sampling import REPEAT_PENALTY_RANGE, SamplingParams
+from ..speculate import MODES
 from .api_errors import bad_request
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
@@ -39,6 +40,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     prompt: str | list[int] | None = None  # completion: text, or token ids
+    speculate: str | None = None  # our extension (speculate.MODES, or true/false): None, the server's choice
 
 
 def parse_chat(body, defaults: SamplingParams, max_tokens_limit: int) -> GenerationRequest:
@@ -96,7 +98,22 @@ def _common(body: dict, kind: str, defaults: SamplingParams, max_tokens_limit: i
         raise bad_request("'return_token_ids' is not supported with 'stream'.", "return_token_ids",
                           "unsupported_parameter")
     return GenerationRequest(kind, params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage,
-                             return_token_ids)
+                             return_token_ids, speculate=_speculate(body, params))
+
+
+def _speculate(body: dict, params: SamplingParams) -> str | None:
+    """The 'speculate' extension: true (ngram), false, or a mode by name."""
+    value = body.get("speculate")
+    if value is None:
+        return None
+    mode = {True: "ngram", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in MODES:
+        raise bad_request(f"'speculate' must be true, false or one of {', '.join(map(repr, MODES))}.", "speculate",
+                          "invalid_value")
+    if mode != "off" and params.repeat_penalty != 1.0:
+        raise bad_request("'speculate' needs 'repeat_penalty' 1: the nodes apply a penalty per step, not per "
+                          "drafted position.", "speculate", "unsupported_value")
+    return mode
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:

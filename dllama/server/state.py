@@ -69,6 +69,7 @@ class ServerConfig:
     max_running_per_client: int | None = None
     max_queued_per_client: int | None = None
     queue_timeout: float = 30.0  # seconds a request may wait to start (its client's turn, a slot, KV budget)
+    speculate: str = "off"  # for requests that do not say (speculate.py); a repetition penalty decodes plainly
 
 
 class ServerState:
@@ -230,9 +231,10 @@ class ServerState:
             async with self.admission.turn(self.client_of(request), deadline):
                 pieces: asyncio.Queue = asyncio.Queue()
                 started = asyncio.Event()
+                speculate = req.speculate or (config.speculate if req.params.repeat_penalty == 1.0 else "off")
                 task = asyncio.ensure_future(self.generator.generate(
                     ids, req.params, max_tokens, req.stop, on_text=pieces.put_nowait if req.stream else None,
-                    on_start=started.set))
+                    on_start=started.set, speculate=speculate))
                 task.add_done_callback(lambda _: pieces.put_nowait(None))  # after the last piece
                 try:
                     await self._until_started(task, started, deadline)

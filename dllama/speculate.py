@@ -1,0 +1,88 @@
+"""Speculative decoding that never changes the answer: a sequence's next tokens are drafted on the
+root, then verified in one step with its last token, and kept only while the request's own sampler
+picks them.
+
+A step of k+1 positions of one sequence costs a cluster the same round trips as a step of one (two
+per layer), and on a CPU little more compute while the weights' reads dominate. Every kernel sums a
+position's values in one order whatever else its step holds (batch invariance), so the logits of a
+drafted position are the bits plain decoding would compute there: sampling them position by
+position with the request's sampler and random generator, and stopping at the first sample that
+differs from the draft, emits exactly the tokens of plain decoding (greedy or seeded alike). The
+first differing sample is emitted too: every verification gives at least one token.
+
+The drafter here is prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): the longest n-gram
+that ends the sequence and occurs earlier in it proposes the tokens that followed its latest
+earlier occurrence. Text that repeats its context (code edits, quotes, lists, structured output)
+gets long accepted drafts; free text mostly finds no match and is decoded as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("off", "ngram")
+MAX_NGRAM = 4  # the longest suffix looked up (then shorter ones, down to MIN_NGRAM)
+MIN_NGRAM = 2  # a single token repeats too often to predict what follows
+MAX_DRAFT = 8  # drafted tokens per step at most
+FIRST_DRAFT = 4  # ... and at first, before the sequence's acceptance is known
+
+
+def ngram_draft(tokens: list[int], k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest n-gram (MAX_NGRAM
+    down to MIN_NGRAM tokens) that ends `tokens`; none if it does not occur earlier. (The reference
+    of NgramIndex, which answers the same from an index instead of a scan.)"""
+    if k <= 0:
+        return []
+    end = len(tokens)
+    for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+        suffix = tokens[end - n:]
+        for i in range(end - n - 1, -1, -1):  # the latest earlier start, scanning back
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+class NgramIndex:
+    """ngram_draft over a sequence that grows, in constant time per token: for every n-gram, where
+    its latest occurrence ends and where the one before it did (a scan back over a long context
+    would cost a step's time for a batch of sequences)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram: the end of its latest occurrence
+        self._before: dict[tuple[int, ...], int] = {}  # ... and of the occurrence before that
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                key = tuple(self.tokens[end - n:])
+                if key in self._latest:
+                    self._before[key] = self._latest[key]
+                self._latest[key] = end
+
+    def draft(self, k: int) -> list[int]:
+        """ngram_draft(self.tokens, k)."""
+        if k <= 0:
+            return []
+        end = len(self.tokens)
+        for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+            earlier = self._before.get(tuple(self.tokens[end - n:]))
+            if earlier is not None:
+                return self.tokens[earlier:earlier + k]
+        return []
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft for one sequence: longer while its drafts are kept whole, shorter
+    when they are refused (at 1 a refused draft costs a step one more position)."""
+
+    k: int = FIRST_DRAFT
+
+    def update(self, drafted: int, kept: int) -> None:
+        if kept == drafted:
+            self.k = min(MAX_DRAFT, self.k + 1)
+        elif kept == 0:
+            self.k = max(1, self.k // 2)

@@ -1,0 +1,148 @@
+"""Speculative decoding (dllama/speculate.py): drafts from the text so far, verified in one step,
+give exactly the tokens of plain decoding, greedy and seeded, alone, batched and across worker
+processes, in fewer steps where the text repeats itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from dllama.cli.common import open_runtime
+from dllama.engine import LocalEngine
+from dllama.generate import Generator
+from dllama.sampling import SamplingParams
+from dllama.server import ServerConfig, make_app
+from dllama.speculate import MAX_DRAFT, DraftLength, NgramIndex, ngram_draft
+
+from .cluster_helpers import run_dllama
+from .server_helpers import ServerThread, post
+
+# a text the model goes on repeating: long drafts are kept
+PROMPT = ("Copy the list exactly.\nList: red apple, green pear, yellow banana, purple plum, orange peach.\n"
+          "Copy: red apple, green pear, yellow banana, purple plum, orange peach.\nCopy: red apple,")
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+N_TOKENS = 40
+
+
+def test_the_longest_latest_ngram_proposes_what_followed_it():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
+    assert ngram_draft(tokens, 3) == [4, 5, 9]  # "1 2 3" (3 tokens) beats the later "2 3"
+    assert ngram_draft(tokens, 10) == [4, 5, 9, 2, 3, 7, 1, 2, 3]  # up to the end
+    assert ngram_draft([5, 2, 3, 8, 2, 3], 2) == [8, 2]  # "2 3" at its latest earlier place
+    assert ngram_draft([5, 6, 1, 7, 8, 1], 4) == []  # a single token is no n-gram
+    assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([1, 2, 1, 2], 0) == []
+
+
+def test_the_index_drafts_what_the_scan_does():
+    rng = random.Random(3)
+    for alphabet in (2, 3, 8):
+        index, tokens = NgramIndex(), []
+        for _ in range(300):
+            new = [rng.randrange(alphabet) for _ in range(rng.choice((1, 1, 3)))]
+            index.extend(new)
+            tokens += new
+            k = rng.randrange(0, 9)
+            assert index.draft(k) == ngram_draft(tokens, k), (tokens, k)
+
+
+def test_the_draft_length_follows_what_is_kept():
+    length = DraftLength()
+    k0 = length.k
+    length.update(k0, k0)
+    assert length.k == k0 + 1
+    for _ in range(20):
+        length.update(length.k, length.k)
+    assert length.k == MAX_DRAFT
+    length.update(MAX_DRAFT, 3)
+    assert length.k == MAX_DRAFT  # partly kept: unchanged
+    for _ in range(10):
+        length.update(length.k, 0)
+    assert length.k == 1
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer.encode(PROMPT)
+
+
+def _generate(gguf_model, tokenizer, prompts, params, speculate):
+    async def run():
+        generator = Generator(LocalEngine(gguf_model, 512, slots=len(prompts)), tokenizer)
+        return await asyncio.gather(*(generator.generate(p, params, N_TOKENS, speculate=speculate) for p in prompts))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafts_give_the_plain_tokens_in_fewer_steps(gguf_model, tokenizer, prompt_ids, params):
+    [plain] = _generate(gguf_model, tokenizer, [prompt_ids], params, "off")
+    [drafted] = _generate(gguf_model, tokenizer, [prompt_ids], params, "ngram")
+    assert drafted.tokens == plain.tokens and drafted.text == plain.text
+    assert plain.drafted == 0 and plain.decode_steps == plain.decode_tokens  # (one token a step)
+    assert drafted.decode_tokens == plain.decode_tokens and drafted.accepted > 0
+    assert drafted.decode_steps == drafted.decode_tokens - drafted.accepted < plain.decode_steps
+    print(f"\n{params.temperature}: {len(plain.tokens)} tokens in {plain.decode_steps} steps plainly, "
+          f"{drafted.decode_steps} with {drafted.accepted} of {drafted.drafted} drafts kept")
+
+
+def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prompt_ids):
+    """Streams that draft and streams that do not (free text finds nothing to look up) share steps."""
+    other = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
+    prompts = [prompt_ids, other, prompt_ids[:-3]]
+    plain = _generate(gguf_model, tokenizer, prompts, SEEDED, "off")
+    drafted = _generate(gguf_model, tokenizer, prompts, SEEDED, "ngram")
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert sum(g.accepted for g in drafted) > 0
+
+
+def test_drafts_across_worker_processes_give_the_plain_tokens():
+    def inference(*extra):
+        r = run_dllama("inference", "-p", PROMPT, "-n", str(N_TOKENS), "--temperature", "0", "--threads", "1",
+                       "--local-workers", "1", "--json", *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    plain, drafted = inference(), inference("--speculate", "ngram")
+    assert drafted["tokens"] == plain["tokens"] and drafted["nodes"] == 2
+    assert drafted["speculation"]["accepted"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
+
+
+def test_speculation_with_a_repetition_penalty_is_refused():
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--speculate", "ngram", "--repeat-penalty", "1.1")
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [
+        "error: --speculate needs --repeat-penalty 1: the nodes apply a penalty per step, not per drafted position"]
+
+
+def test_the_api_field_and_the_server_default(model_path):
+    """`serve --speculate ngram` drafts for the requests that do not say; 'speculate': false turns it off
+    for one request, and the text is the same either way."""
+    thread = ServerThread()
+    rt = thread.run(open_runtime({"model": model_path, "ctx_size": 512, "threads": 1}, quiet=True))
+    try:
+        app = make_app(rt, ServerConfig(speculate="ngram"))
+        url, batcher = thread.serve(app), rt.engine.batcher
+
+        def ask(**extra):
+            before = batcher.steps
+            status, _, body = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": N_TOKENS,
+                                                            "temperature": 0, **extra})
+            assert status == 200, body
+            return body["choices"][0]["text"], batcher.steps - before
+
+        (default, default_steps), (off, off_steps), (on, on_steps) = ask(), ask(speculate=False), ask(speculate="ngram")
+        assert default == off == on
+        assert default_steps < off_steps and on_steps < off_steps
+        assert ask(repeat_penalty=1.1)[0]  # the server's default with a penalty: decoded plainly
+        for body, fragment in (({"speculate": "yes"}, "must be true, false"),
+                               ({"speculate": True, "repeat_penalty": 1.1}, "needs 'repeat_penalty' 1")):
+            status, _, answer = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+            assert status == 400 and answer["error"]["param"] == "speculate", answer
+            assert fragment in answer["error"]["message"], answer
+    finally:
+        thread.close(rt.close)
