@@ -62,7 +62,8 @@ def test_inference_json_report(inference_json, tokenizer):
     lines = inference_json.stdout.strip().splitlines()
     assert len(lines) == 1, inference_json.stdout  # one JSON object and nothing else on stdout
     report = json.loads(lines[0])
-    assert set(report) == DESIGN_KEYS | {"finish_reason", "error", "workers", "sync_mode", "sync_choice"}
+    assert set(report) == DESIGN_KEYS | {"finish_reason", "error", "workers", "sync_mode", "sync_choice",
+                                         "decode_steps", "speculation"}
     assert report["workers"] == []  # one node: no worker figures
     assert report["nodes"] == 1 and report["error"] is None and report["finish_reason"] == "length"
     assert report["prompt_tokens"] == len(tokenizer.encode(PROMPT))
