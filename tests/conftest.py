@@ -154,15 +154,28 @@ def pytest_collection_modifyitems(items):
     items.sort(key=_is_aarch64_test)  # stable: the rest keep their order
 
 
+_READS_RUNS = []  # (set when this session's tests read the emulated runs: then it ends them at its end)
+
+
 def pytest_collection_finish(session):
     """Starts the emulated aarch64 runs the session's tests read, now, so that they use the CPU the
     rest of the suite leaves idle (at the lowest priority) instead of running alone at the end."""
     module = None if session.config.option.collectonly else _aarch64_module(session)
     if module is not None:
+        _READS_RUNS.append(True)
         runs.start(sorted({module.RUN_OF_TEST[item.name] for item in session.items if _is_aarch64_test(item)}))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """(pytest-xdist's controller, which collects nothing itself: what its workers selected)"""
+    if any(nodeid.startswith("tests/test_aarch64.py::") for nodeid in ids):
+        _READS_RUNS.append(True)
+
+
 def pytest_sessionfinish(session):
-    """The run's controller (or the one process without xdist) ends the inner runs, whoever started them."""
-    if not hasattr(session.config, "workerinput"):
+    """The run's controller (or the one process without xdist) ends the inner runs, whoever started
+    them, if its tests read them: a session of other tests leaves them to the one that does (a
+    `pytest tests/test_cli.py` beside `make test` in the same checkout ended its runs)."""
+    if not hasattr(session.config, "workerinput") and _READS_RUNS:
         runs.stop()
