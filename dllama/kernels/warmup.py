@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..quant import FORMATS, K_QUANTS, QType, quantize
-from . import ops
+from . import ops, read_only
 from .activations import Activations
 from .attention import attention, softmax
 from .matmul import matmul
@@ -26,18 +26,12 @@ from .simd_q8 import TILE_TOKENS
 TOKENS = (1, TILE_TOKENS + 1)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a = a.copy()
-    a.flags.writeable = False
-    return a
-
-
 def _weights(rng, qtype: QType, rows: int, cols: int) -> np.ndarray:
     """A read-only matrix of `qtype` (blocks of zeros where dllama has no quantizer for it: the
     kernels' types are all that matters here)."""
     if qtype in K_QUANTS:
-        return _read_only(np.zeros((rows, FORMATS[qtype].row_bytes(cols)), np.uint8))
-    return _read_only(quantize(rng.standard_normal((rows, cols), dtype=np.float32), qtype))
+        return read_only(np.zeros((rows, FORMATS[qtype].row_bytes(cols)), np.uint8))
+    return read_only(quantize(rng.standard_normal((rows, cols), dtype=np.float32), qtype))
 
 
 def warm_up(verbose: bool = False, every_format: bool = False) -> float:
@@ -72,14 +66,13 @@ def warm_up(verbose: bool = False, every_format: bool = False) -> float:
         if verbose:
             print(f"  {qtype.name} matmul ready", file=sys.stderr)
     x = rng.standard_normal((3, 128), dtype=np.float32)
-    for norm in (np.ones(128, np.float32), _read_only(np.ones(128, np.float32))):  # loaded, and in a GGUF map
-        ops.rmsnorm(x, norm, 1e-5)
+    ops.rmsnorm(x, np.ones(128, np.float32), 1e-5)  # (loaded or in a GGUF map: one kernel, read_only)
     ops.silu_mul(x, x)
     ops.top_k(x[0], 3)
     ops.log_sum_exp(x[0], 0.7)
     q = rng.standard_normal((3, 4, 64), dtype=np.float32)
     ops.rope(q, np.arange(3), 64, 10000.0, False)
-    ops.rope(q, np.arange(3), 64, 10000.0, False, _read_only(np.ones(32, np.float32)))
+    ops.rope(q, np.arange(3), 64, 10000.0, False, read_only(np.ones(32, np.float32)))
     k_cache = np.zeros((2, 32, 64), np.float16)
     v_cache = np.zeros((2, 64, 32), np.float16)
     attention(q, k_cache, v_cache, np.array([0, 0, 1, 1]), 0)
