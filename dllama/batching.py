@@ -92,6 +92,9 @@ class Batcher:
         self.kind_steps = dict.fromkeys(STEP_KINDS, 0)
         self.kind_tokens = dict.fromkeys(STEP_KINDS, 0)
         self.kind_seconds = dict.fromkeys(STEP_KINDS, 0.0)
+        # speculation: steps' sequences that carried drafts, the tokens drafted and those kept
+        self.verifications = self.drafted = self.accepted = 0
+        self.drafter = None  # a draft_model.DraftModel, for the requests that speculate with "draft"
         self._alone_tokens = 0  # prompt tokens of the steps without the decoders since they last ran
         self._in_flight: set[Stream] | None = None  # the streams of a step that prompts may preempt
         self._in_flight_prompt = 0  # ... and the prompt tokens it carries beside the decoders
@@ -143,6 +146,7 @@ class Batcher:
             if not self.active:
                 await asyncio.sleep(0)  # (only what _admit failed or dropped: the loop ends or admits next)
                 continue
+            await self._draft_with_model()
             streams, seqs, fed = self._plan()
             if not seqs:  # (every one waits for another's prompt start: cannot last, that one runs)
                 await asyncio.sleep(0)
@@ -215,6 +219,9 @@ class Batcher:
                 if drafts:
                     done, kept = s.take_drafted(summaries, drafts, held, engine.ctx_size, engine.stats)
                     engine.rewind(held - len(drafts) + kept, s.slot)  # the refused drafts are no part of it
+                    self.verifications += 1
+                    self.drafted += len(drafts)
+                    self.accepted += kept
                 else:
                     done = q.want_logits and s.take(summaries[-1], held >= engine.ctx_size, engine.stats)
             except Exception as e:  # its sampler or its caller's callback: that request alone fails
@@ -254,9 +261,7 @@ class Batcher:
         if not alone:
             self._alone_tokens = 0
         for s in [] if alone else decoding:
-            # speculation: drafts verified after the pending token, within its cache and the context
-            space = min(self.engine.capacities[s.slot], self.engine.ctx_size) - len(contexts[s.slot]) - 1
-            drafts = s.draft(space)
+            drafts = s.draft(self._draft_room(s))  # (speculation: verified after the pending token)
             streams.append(s)
             seqs.append(SeqInput(s.slot, s.pending + drafts, s.params, s.recent(contexts[s.slot], 1),
                                  all_logits=bool(drafts)))
@@ -284,6 +289,28 @@ class Batcher:
         if alone:
             self._alone_tokens += sum(fed)
         return streams, seqs, fed
+
+    def _draft_room(self, s: Stream) -> int:
+        """Positions a decoding stream's cache and the context hold past its pending token."""
+        return min(self.engine.capacities[s.slot], self.engine.ctx_size) - len(self.engine.contexts[s.slot]) - 1
+
+    async def _draft_with_model(self) -> None:
+        """draft:MODEL's drafts for the decoding streams that use it and have none for their answer
+        as it is (they stay valid through steps that do not carry them: prompts alone)."""
+        wanting = [(s, k) for s in self.active if s.decoding and s.speculate == "draft" and not s.cancelled
+                   and s.model_drafts_at != len(s.out.tokens) and (k := s.drafts_wanted(self._draft_room(s)))]
+        if not wanting:
+            return
+        try:
+            drafts = await self.drafter.draft([(s.slot, s.prompt + s.out.tokens, k) for s, k in wanting])
+        except Exception as e:  # a bug of ours: those requests fail, as after a step
+            log.exception("drafting failed")
+            for s, _ in wanting:
+                s.finish(self.engine.stats, "error", _error_text(e))
+                self._leave(s)
+            return
+        for (s, _), tokens in zip(wanting, drafts):
+            s.model_drafts, s.model_drafts_at = tokens, len(s.out.tokens)
 
     # ------------------------------------------------------------------ admission
 

@@ -40,10 +40,13 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ArrayInfo:
-    """An array value that was skipped: its element type and length."""
+    """An array value that was skipped: its element type, length, and where its elements lie in the
+    file (two files' arrays are equal where those bytes are)."""
 
     elem_type: int
     length: int
+    start: int = 0
+    end: int = 0
 
 
 class GGUFFile:
@@ -95,6 +98,7 @@ class GGUFFile:
             return self._string()
         if vtype == _ARRAY:
             elem_type, length = self._read("<I"), self._read("<Q")
+            start = self._pos
             if elem_type == _STRING:
                 for _ in range(length):
                     self._skip_string()
@@ -104,7 +108,7 @@ class GGUFFile:
                 self._pos += size
             else:
                 raise ModelError(f"not a valid GGUF file: {self.path} (array of type {elem_type})")
-            return ArrayInfo(elem_type, length)
+            return ArrayInfo(elem_type, length, start, self._pos)
         raise ModelError(f"not a valid GGUF file: {self.path} (value type {vtype})")
 
     def _parse(self) -> None:
@@ -147,6 +151,11 @@ class GGUFFile:
             raise ModelError(f"{self.path}: tensor {info.name} has unknown type #{info.ggml_type}") from None
         n = int(np.prod(info.shape, dtype=np.int64))
         return n // block * size
+
+    def array_bytes(self, key: str) -> bytes | None:
+        """An array's elements as they are in the file (None if `key` is not an array)."""
+        value = self.metadata.get(key)
+        return bytes(self._buf[value.start:value.end]) if isinstance(value, ArrayInfo) else None
 
     # ------------------------------------------------------------------ tensor data
 

@@ -10,21 +10,49 @@ position with the request's sampler and random generator, and stopping at the fi
 differs from the draft, emits exactly the tokens of plain decoding (greedy or seeded alike). The
 first differing sample is emitted too: every verification gives at least one token.
 
-The drafter here is prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): the longest n-gram
-that ends the sequence and occurs earlier in it proposes the tokens that followed its latest
-earlier occurrence. Text that repeats its context (code edits, quotes, lists, structured output)
-gets long accepted drafts; free text mostly finds no match and is decoded as before.
+Two drafters:
+- `ngram`, prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): the longest n-gram that
+  ends the sequence and occurs earlier in it proposes the tokens that followed its latest earlier
+  occurrence. Text that repeats its context (code edits, quotes, lists, structured output) gets
+  long accepted drafts; free text mostly finds no match and is decoded as before.
+- `draft:MODEL`, a smaller model of the same vocabulary on the root alone (draft_model.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("off", "ngram")
+from .errors import DllamaError
+from .sampling import SamplingParams
+
+MODES = ("off", "ngram", "draft")  # a request's; "draft" needs the draft model its command loaded
+# why a request with a repetition penalty decodes plainly: the nodes summarize a step's positions with
+# one list of recent tokens, and a penalty would need each drafted position's own
+NEEDS_NO_PENALTY = "the nodes apply a repetition penalty per step, not per drafted position"
 MAX_NGRAM = 4  # the longest suffix looked up (then shorter ones, down to MIN_NGRAM)
 MIN_NGRAM = 2  # a single token repeats too often to predict what follows
 MAX_DRAFT = 8  # drafted tokens per step at most
 FIRST_DRAFT = 4  # ... and at first, before the sequence's acceptance is known
+
+
+def parse_option(text: str) -> tuple[str, str | None]:
+    """--speculate's value (off, ngram or draft:MODEL): the mode, and the draft model's name or path."""
+    if text in ("off", "ngram"):
+        return text, None
+    if text.startswith("draft:") and text[len("draft:"):]:
+        return "draft", text[len("draft:"):]
+    raise DllamaError(f"--speculate takes off, ngram or draft:MODEL (a registry name or a .gguf path), not {text!r}")
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request sampled with `params` may verify drafts (see NEEDS_NO_PENALTY)."""
+    return params.repeat_penalty == 1.0
+
+
+def verified(sample: int, draft: int) -> bool:
+    """Whether a drafted token is kept: only where the request's own sampler picked it (the rule
+    that makes the answer plain decoding's; tests turn it off to see them fail)."""
+    return sample == draft
 
 
 def ngram_draft(tokens: list[int], k: int) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Callable
 
 from .engine import Engine, StepStats
 from .sampling import Sampler, SamplingParams
-from .speculate import MODES, DraftLength, NgramIndex
+from .speculate import MODES, DraftLength, NgramIndex, can_speculate, verified
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -84,12 +84,14 @@ class Stream:
         self.decoder = StreamDecoder(tokenizer)
         # the recent tokens only matter (and only travel to the workers) with a repetition penalty
         self.window = params.repeat_last_n if params.repeat_penalty != 1.0 else 0
-        # speculation: the nodes summarize a step's positions with one list of recent tokens, which a
-        # repetition penalty would need per position, so a request with one decodes plainly
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, not {speculate!r}")
-        self.draft_length = DraftLength() if speculate == "ngram" and not self.window else None
-        self.lookup = NgramIndex() if self.draft_length else None  # the prompt and the answer so far
+        self.speculate = speculate if can_speculate(params) else "off"  # (else: the same tokens, plainly)
+        self.draft_length = DraftLength() if self.speculate != "off" else None
+        self.lookup = NgramIndex() if self.speculate == "ngram" else None  # the prompt and the answer so far
+        # draft:MODEL's drafts, made (by the batcher, before it plans a step) when the answer had this many tokens
+        self.model_drafts: list[int] = []
+        self.model_drafts_at = -1
         self.slot: int | None = None
         self.pending: list[int] = []  # what the next steps feed: the prompt's rest, then the last token
         self.decoding = False  # past the prompt
@@ -113,15 +115,24 @@ class Stream:
         tokens, which follow `context`."""
         return _last(context + self.pending[:fed], self.window) if self.window else []
 
-    def draft(self, room: int) -> list[int]:
-        """Tokens to verify after the pending one in the next step (none without speculation): at
-        most `room` (what its KV cache and the context hold past the pending token), nor more than
-        the tokens the request may still produce after it."""
+    def drafts_wanted(self, room: int) -> int:
+        """How many tokens to verify after the pending one in the next step (none without
+        speculation): at most `room` (what its KV cache and the context hold past the pending
+        token), nor more than the tokens the request may still produce after it."""
         if self.draft_length is None or not self.decoding:
+            return 0
+        return max(0, min(self.draft_length.k, room, self.max_tokens - len(self.out.tokens) - 1))
+
+    def draft(self, room: int) -> list[int]:
+        """The tokens to verify after the pending one in the next step (see drafts_wanted)."""
+        k = self.drafts_wanted(room)
+        if not k:
             return []
+        if self.lookup is None:  # draft:MODEL's, if they were made for the answer as it is
+            return self.model_drafts[:k] if self.model_drafts_at == len(self.out.tokens) else []
         if not self.lookup.tokens:
             self.lookup.extend(self.prompt + self.out.tokens)
-        return self.lookup.draft(min(self.draft_length.k, room, self.max_tokens - len(self.out.tokens) - 1))
+        return self.lookup.draft(k)
 
     def take(self, summaries, context_full: bool, stats: StepStats) -> bool:
         """The summaries (one per node) of the last position fed are in: sample. True when done."""
@@ -144,7 +155,7 @@ class Stream:
             held = context - len(drafts) + j  # the sequence up to this position
             if self._emit(token, held >= ctx_size, stats):
                 break
-            if j == len(drafts) or token != drafts[j]:
+            if j == len(drafts) or not verified(token, drafts[j]):
                 break
             kept += 1
         self.out.accepted += kept

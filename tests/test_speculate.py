@@ -11,6 +11,8 @@ import random
 import pytest
 
 from dllama.cli.common import open_runtime
+from dllama.draft_model import DraftModel
+from dllama.errors import DllamaError
 from dllama.engine import LocalEngine
 from dllama.generate import Generator
 from dllama.sampling import SamplingParams
@@ -70,10 +72,20 @@ def prompt_ids(tokenizer):
     return tokenizer.encode(PROMPT)
 
 
-def _generate(gguf_model, tokenizer, prompts, params, speculate):
+def _generate(gguf_model, tokenizer, prompts, params, speculate, draft_path=None):
     async def run():
-        generator = Generator(LocalEngine(gguf_model, 512, slots=len(prompts)), tokenizer)
-        return await asyncio.gather(*(generator.generate(p, params, N_TOKENS, speculate=speculate) for p in prompts))
+        engine = LocalEngine(gguf_model, 512, slots=len(prompts))
+        drafter = None
+        if draft_path is not None:
+            drafter = await DraftModel.start(DraftModel.open(draft_path, gguf_model, 512), draft_path, 512, len(prompts))
+        try:
+            generator = Generator(engine, tokenizer, drafter)
+            return await asyncio.gather(*(generator.generate(p, params, N_TOKENS, speculate=speculate)
+                                          for p in prompts))
+        finally:
+            await engine.close()
+            if drafter is not None:
+                await drafter.close()
 
     return asyncio.run(run())
 
@@ -100,6 +112,55 @@ def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prom
     assert sum(g.accepted for g in drafted) > 0
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_draft_model_gives_the_plain_tokens(gguf_model, tokenizer, prompt_ids, synthetic_model, params):
+    """The model as its own draft (the upper bound: greedy keeps every draft) and a random one of the
+    same vocabulary (its drafts mostly refused): the plain tokens either way, batched."""
+    other = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
+    prompts = [prompt_ids, other]
+    plain = _generate(gguf_model, tokenizer, prompts, params, "off")
+    itself = _generate(gguf_model, tokenizer, prompts, params, "draft", gguf_model.path)
+    random_draft = _generate(gguf_model, tokenizer, prompts, params, "draft", synthetic_model("Q8_0"))
+    for drafted in (itself, random_draft):
+        assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+        assert [g.text for g in drafted] == [g.text for g in plain]
+    if params is GREEDY:
+        assert all(g.accepted == g.drafted > 0 for g in itself)
+    assert sum(g.accepted for g in itself) > sum(g.accepted for g in random_draft)
+    assert sum(g.drafted - g.accepted for g in random_draft) > 0
+    print(f"\n{params.temperature}: drafts kept, the model itself {sum(g.accepted for g in itself)} of "
+          f"{sum(g.drafted for g in itself)}, a random model {sum(g.accepted for g in random_draft)} of "
+          f"{sum(g.drafted for g in random_draft)}; steps {[g.decode_steps for g in plain]} plainly, "
+          f"{[g.decode_steps for g in itself]} and {[g.decode_steps for g in random_draft]}")
+
+
+def test_without_the_sampler_s_check_the_answer_changes(gguf_model, tokenizer, prompt_ids, synthetic_model,
+                                                        monkeypatch):
+    """What the tests above rely on: keeping a draft the sampler did not pick changes the tokens."""
+    plain = _generate(gguf_model, tokenizer, [prompt_ids], GREEDY, "off")
+    monkeypatch.setattr("dllama.stream.verified", lambda sample, draft: True)
+    unchecked = _generate(gguf_model, tokenizer, [prompt_ids], GREEDY, "draft", synthetic_model("Q8_0"))
+    assert unchecked[0].tokens != plain[0].tokens
+
+
+def test_a_draft_model_that_cannot_follow_is_refused(gguf_model, synthetic_model, tmp_path):
+    """Another vocabulary (one token's text changed), or a context shorter than the model's: one line."""
+    path = synthetic_model("Q8_0")
+    data = bytearray(open(path, "rb").read())
+    tokens = DraftModel.open(path, gguf_model, 512).file.metadata["tokenizer.ggml.tokens"]
+    first = data.index(b"<", tokens.start)  # (the first token's text, after its length)
+    data[first + 1] ^= 0x20  # a letter's case
+    other = tmp_path / "other-vocabulary.gguf"
+    other.write_bytes(bytes(data))
+    r = run_dllama("inference", "-p", "hi", "-n", "2", "--ctx-size", "64", "--speculate", f"draft:{other}")
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [
+        f"error: --speculate draft:{other}: its vocabulary (49152 tokens) is not the model's (49152 tokens): "
+        "a draft must give every token id the same text"]
+    with pytest.raises(DllamaError, match="its context of 4096 tokens cannot follow the model's 8192"):
+        DraftModel.open(path, gguf_model, 8192)
+
+
 def test_drafts_across_worker_processes_give_the_plain_tokens():
     def inference(*extra):
         r = run_dllama("inference", "-p", PROMPT, "-n", str(N_TOKENS), "--temperature", "0", "--threads", "1",
@@ -107,16 +168,19 @@ def test_drafts_across_worker_processes_give_the_plain_tokens():
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout)
 
-    plain, drafted = inference(), inference("--speculate", "ngram")
-    assert drafted["tokens"] == plain["tokens"] and drafted["nodes"] == 2
-    assert drafted["speculation"]["accepted"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
+    plain = inference()
+    for speculate in ("ngram", "draft:smollm2"):  # (the model as its own draft)
+        drafted = inference("--speculate", speculate)
+        assert drafted["tokens"] == plain["tokens"] and drafted["nodes"] == 2
+        assert drafted["speculation"]["accepted"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
 
 
 def test_speculation_with_a_repetition_penalty_is_refused():
     r = run_dllama("inference", "-p", "hi", "-n", "2", "--speculate", "ngram", "--repeat-penalty", "1.1")
     assert r.returncode != 0
     assert r.stderr.strip().splitlines() == [
-        "error: --speculate needs --repeat-penalty 1: the nodes apply a penalty per step, not per drafted position"]
+        "error: --speculate needs --repeat-penalty 1: the nodes apply a repetition penalty per step, not per "
+        "drafted position"]
 
 
 def test_the_api_field_and_the_server_default(model_path):
@@ -140,7 +204,8 @@ def test_the_api_field_and_the_server_default(model_path):
         assert default_steps < off_steps and on_steps < off_steps
         assert ask(repeat_penalty=1.1)[0]  # the server's default with a penalty: decoded plainly
         for body, fragment in (({"speculate": "yes"}, "must be true, false"),
-                               ({"speculate": True, "repeat_penalty": 1.1}, "needs 'repeat_penalty' 1")):
+                               ({"speculate": True, "repeat_penalty": 1.1}, "needs 'repeat_penalty' 1"),
+                               ({"speculate": "draft"}, "needs a server started with --speculate draft:MODEL")):
             status, _, answer = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
             assert status == 400 and answer["error"]["param"] == "speculate", answer
             assert fragment in answer["error"]["message"], answer

@@ -15,7 +15,7 @@ import click
 
 from ..errors import DllamaError
 from ..sampling import SamplingParams
-from ..speculate import MODES
+from ..speculate import NEEDS_NO_PENALTY, can_speculate, parse_option
 from ..sync import ALGO_NAMES
 from ..sync_config import MODE_CHOICES, SYNC_DTYPES, SyncConfig
 
@@ -101,17 +101,18 @@ def sampling_options(f):
 
 
 def speculate_option(f):
-    return click.option("--speculate", type=click.Choice(MODES), default="off", show_default=True,
-                        help="Draft tokens from the text so far (ngram: prompt lookup) and verify them in one step "
-                             "each: fewer steps (on a cluster, round trips) for the same tokens.")(f)
+    return click.option("--speculate", default="off", show_default=True, metavar="off|ngram|draft:MODEL",
+                        help="Draft tokens and verify them in one step each: fewer steps (on a cluster, round trips) "
+                             "for the same tokens. ngram: from the text so far (prompt lookup); draft:MODEL: with a "
+                             "smaller model of the same vocabulary (a registry name or .gguf path) on this node.")(f)
 
 
-def speculation(opts: dict, params: SamplingParams) -> str:
-    """--speculate, checked against the sampling options."""
-    if opts["speculate"] != "off" and params.repeat_penalty != 1.0:
-        raise DllamaError("--speculate needs --repeat-penalty 1: the nodes apply a penalty per step, not per "
-                          "drafted position")
-    return opts["speculate"]
+def speculation(opts: dict, params: SamplingParams) -> tuple[str, str | None]:
+    """--speculate, checked against the sampling options: the mode, and the draft model's name or path."""
+    mode, draft_model = parse_option(opts["speculate"])
+    if mode != "off" and not can_speculate(params):
+        raise DllamaError(f"--speculate needs --repeat-penalty 1: {NEEDS_NO_PENALTY}")
+    return mode, draft_model
 
 
 def sampling_params(opts: dict) -> SamplingParams:
@@ -131,10 +132,13 @@ class Runtime:
     tokenizer: Tokenizer
     model_path: str
     local_workers: object = None
+    drafter: object = None  # --speculate draft:MODEL's draft_model.DraftModel
 
     async def close(self) -> None:
         try:
             await self.engine.close()
+            if self.drafter is not None:
+                await self.drafter.close()
         finally:
             if self.local_workers is not None:
                 self.local_workers.stop()
@@ -157,6 +161,7 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
     loop, for a command with nothing to answer during a step (serve's loop must stay responsive). A
     cluster's root keeps its compute thread: its connections keep their heartbeats even while this
     loop is blocked writing to a paused terminal, and its sync costs far more than the hop."""
+    from ..draft_model import DraftModel
     from ..engine import LocalEngine
     from ..gguf_model import GGUFModel
     from ..kernels import set_threads
@@ -176,6 +181,8 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
     cfg = model.config
     ctx = min(opts.get("ctx_size") or min(cfg.context_length, DEFAULT_CTX), cfg.context_length)
     tokenizer = Tokenizer(path, model.chat_template, cfg.bos_id, cfg.eos_id)
+    _mode, draft_name = parse_option(opts.get("speculate") or "off")
+    draft_model = None if draft_name is None else DraftModel.open(draft_name, model, ctx)  # (refused before loading)
     slots, kv_budget = opts.get("max_batch") or 1, opts.get("kv_budget")  # (serve's: the others run one sequence)
     if kv_budget is not None and kv_budget < ctx:
         fail(f"--kv-budget {kv_budget} cannot hold one context of {ctx} tokens (--ctx-size)")
@@ -208,7 +215,14 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
             raise
     else:
         engine = LocalEngine(model, ctx, sync, slots, kv_budget, compute_here)
-    await engine.warm_up()
+    drafter = None
+    try:
+        await engine.warm_up()
+        if draft_model is not None:
+            drafter = await DraftModel.start(draft_model, draft_name, engine.ctx_size, engine.slots)
+    except BaseException:
+        await Runtime(engine, tokenizer, path, local).close()
+        raise
     if not quiet:
         info(f"model {os.path.basename(path)}: {cfg.n_layers} layers, dim {cfg.dim}, "
              f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}; context {engine.ctx_size}"
@@ -222,7 +236,10 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
             predicted = ", ".join(f"{label} {ms:.2f}" for label, ms in choice["predicted_sync_ms_per_token"].items())
             info(f"--sync-mode auto: {choice['chosen']} on the measured link ({choice['link']}); "
                  f"predicted sync ms/token: {predicted}")
-    return Runtime(engine, tokenizer, path, local)
+        if drafter is not None:
+            info(f"--speculate draft:{draft_name}: {drafter.engine.config.n_layers} layers, dim "
+                 f"{drafter.engine.config.dim}, on this node")
+    return Runtime(engine, tokenizer, path, local, drafter)
 
 
 async def _look_for_workers(timeout: float, secret: str | None):

@@ -34,7 +34,7 @@ def inference(prompt, steps, stop, as_json, **opts):
 
 async def _inference(prompt, steps, stop, as_json, opts):
     params = sampling_params(opts)  # (checked before anything loads)
-    speculate = speculation(opts, params)
+    speculate, _ = speculation(opts, params)
     rt = await open_runtime(opts, quiet=as_json, compute_here=True)
     try:
         ids = rt.tokenizer.encode(prompt)
@@ -43,7 +43,7 @@ async def _inference(prompt, steps, stop, as_json, opts):
                               "(raise --ctx-size)")
         if not as_json:
             stdout_write(prompt)
-        gen = await Generator(rt.engine, rt.tokenizer).generate(
+        gen = await Generator(rt.engine, rt.tokenizer, rt.drafter).generate(
             ids, params, steps, stop, on_text=None if as_json else stdout_write, speculate=speculate)
         report = gen.report(rt.engine)
         if as_json:
@@ -77,12 +77,12 @@ def chat(system_prompt, max_tokens, **opts):
 
 async def _chat(system_prompt, max_tokens, opts):
     params = sampling_params(opts)  # (checked before anything loads)
-    speculate = speculation(opts, params)
+    speculate, _ = speculation(opts, params)
     rt = await open_runtime(opts, compute_here=True)
     try:
         if not rt.tokenizer.has_chat_template:
             raise DllamaError("this model has no chat template; use `dllama inference`")
-        generator = Generator(rt.engine, rt.tokenizer)
+        generator = Generator(rt.engine, rt.tokenizer, rt.drafter)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         interactive = sys.stdin.isatty()
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 meet the tokenizer's clear error

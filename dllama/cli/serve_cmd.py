@@ -79,7 +79,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     api_keys = tuple(key for key in api_keys if key)  # DLLAMA_API_KEY= (empty) means no key
     require_credential_off_loopback(host, api_keys[0] if api_keys else None, insecure, what="API key",
                                     how="--api-key KEY (or DLLAMA_API_KEY)", whom="it")
-    speculate = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
+    speculate, _ = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}

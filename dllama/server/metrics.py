@@ -126,6 +126,7 @@ class Metrics:
             Family("dllama_batch_size", "gauge", "Sequences in the last step.").add(0 if batcher is None else
                                                                                     batcher.last_batch),
             *_step_kinds(batcher),
+            *_speculation(batcher),
             Family("dllama_context_tokens", "gauge", "Context size (one sequence's KV cache) in tokens.").add(ctx_size),
             Family("dllama_kv_cache_tokens", "gauge", "Tokens in the KV caches now (all slots, idle ones kept for "
                    "reuse included).").add(kv_cached),
@@ -193,3 +194,15 @@ def _step_kinds(batcher) -> list[Family]:
         tokens.add(0 if batcher is None else batcher.kind_tokens[kind], kind=kind)
         seconds.add(0.0 if batcher is None else batcher.kind_seconds[kind], kind=kind)
     return [steps, tokens, seconds]
+
+
+def _speculation(batcher) -> list[Family]:
+    """Speculative decoding's drafts: accepted / drafted is the acceptance rate, accepted /
+    verifications the tokens a verifying step gains over plain decoding."""
+    drafted, accepted, verifications = (0, 0, 0) if batcher is None else \
+        (batcher.drafted, batcher.accepted, batcher.verifications)
+    return [Family("dllama_speculative_drafted_tokens_total", "counter", "Tokens drafted and verified.").add(drafted),
+            Family("dllama_speculative_accepted_tokens_total", "counter", "Drafted tokens the sampler kept.")
+            .add(accepted),
+            Family("dllama_speculative_verifications_total", "counter", "Sequences' steps that verified drafts "
+                   "(each also gives the token after the drafts it kept).").add(verifications)]

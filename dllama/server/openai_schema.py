@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..sampling import REPEAT_PENALTY_RANGE, SamplingParams
-from ..speculate import MODES
+from ..speculate import MODES, NEEDS_NO_PENALTY, can_speculate
 from .api_errors import bad_request
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
@@ -40,7 +40,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     prompt: str | list[int] | None = None  # completion: text, or token ids
-    speculate: str | None = None  # our extension (speculate.MODES, or true/false): None, the server's choice
+    speculate: str | bool | None = None  # our extension (speculate.MODES, or true/false): None, the server's choice
 
 
 def parse_chat(body, defaults: SamplingParams, max_tokens_limit: int) -> GenerationRequest:
@@ -101,19 +101,18 @@ def _common(body: dict, kind: str, defaults: SamplingParams, max_tokens_limit: i
                              return_token_ids, speculate=_speculate(body, params))
 
 
-def _speculate(body: dict, params: SamplingParams) -> str | None:
-    """The 'speculate' extension: true (ngram), false, or a mode by name."""
+def _speculate(body: dict, params: SamplingParams) -> str | bool | None:
+    """The 'speculate' extension: true (the server's drafter, else ngram), false, or a mode by name."""
     value = body.get("speculate")
-    if value is None:
-        return None
-    mode = {True: "ngram", False: "off"}.get(value, value) if isinstance(value, bool) else value
-    if mode not in MODES:
+    if value is None or value is False:
+        return None if value is None else "off"
+    if value is not True and value not in MODES:
         raise bad_request(f"'speculate' must be true, false or one of {', '.join(map(repr, MODES))}.", "speculate",
                           "invalid_value")
-    if mode != "off" and params.repeat_penalty != 1.0:
-        raise bad_request("'speculate' needs 'repeat_penalty' 1: the nodes apply a penalty per step, not per "
-                          "drafted position.", "speculate", "unsupported_value")
-    return mode
+    if value != "off" and not can_speculate(params):
+        raise bad_request(f"'speculate' needs 'repeat_penalty' 1: {NEEDS_NO_PENALTY}.", "speculate",
+                          "unsupported_value")
+    return value
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:

@@ -20,6 +20,7 @@ from ..errors import ContextOverflow, DllamaError, ModelError
 from ..generate import Generator
 from ..stream import Generation
 from ..sampling import SamplingParams
+from ..speculate import can_speculate
 from . import metrics as prom
 from .connections import ConnectionCounts
 from .api_errors import APIError, bad_request
@@ -88,7 +89,7 @@ class ServerState:
     def attach(self, runtime) -> None:
         """The engine is ready: start answering generation requests."""
         self.runtime = runtime
-        self.generator = Generator(runtime.engine, runtime.tokenizer)  # the engine knows its KV cache
+        self.generator = Generator(runtime.engine, runtime.tokenizer, runtime.drafter)  # the engine knows its KV cache
         config = self.config
         running = config.max_running_per_client or default_running(runtime.engine.slots)
         queued = config.max_queued_per_client
@@ -157,6 +158,9 @@ class ServerState:
         body.pop("node_status", None)  # detailed in "nodes" instead of counted
         body["nodes"] = self.node_details()
         body["max_tokens_limit"] = self.config.max_tokens_limit
+        batcher = self.generator.batcher if self.generator is not None else None
+        body["speculation"] = None if batcher is None else {
+            "drafted": batcher.drafted, "accepted": batcher.accepted, "verifications": batcher.verifications}
         last = self.metrics.last
         body["last_answer"] = None if last is None else {
             "tokens": len(last["tokens"]), "finish_reason": last["finish_reason"],
@@ -182,6 +186,18 @@ class ServerState:
                             "share": node["share"] if node["up"] else 0.0,
                             "ms_per_token": ms, "rss_mb": rss})
         return details
+
+    def speculation(self, req: GenerationRequest) -> str:
+        """The request's speculate mode: as it asks (true: the server's, else ngram), or the server's
+        where its sampling allows (else the same tokens, plainly)."""
+        if req.speculate is True:
+            return self.config.speculate if self.config.speculate != "off" else "ngram"
+        if req.speculate is None:
+            return self.config.speculate if can_speculate(req.params) else "off"
+        if req.speculate == "draft" and self.runtime.drafter is None:
+            raise bad_request("'speculate' \"draft\" needs a server started with --speculate draft:MODEL.",
+                              "speculate", "unsupported_value")
+        return req.speculate
 
     def require_ready(self):
         if self.runtime is None:
@@ -231,7 +247,7 @@ class ServerState:
             async with self.admission.turn(self.client_of(request), deadline):
                 pieces: asyncio.Queue = asyncio.Queue()
                 started = asyncio.Event()
-                speculate = req.speculate or (config.speculate if req.params.repeat_penalty == 1.0 else "off")
+                speculate = self.speculation(req)
                 task = asyncio.ensure_future(self.generator.generate(
                     ids, req.params, max_tokens, req.stop, on_text=pieces.put_nowait if req.stream else None,
                     on_start=started.set, speculate=speculate))

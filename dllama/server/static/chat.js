@@ -333,6 +333,11 @@ function showStatus(s) {
   } else {
     figure("last answer", "none yet");
   }
+  const spec = s.speculation;
+  if (spec && spec.drafted > 0) {
+    figure("drafts kept", `${fmt(100 * spec.accepted / spec.drafted, 0, "%")} of ${spec.drafted} · ` +
+      `${fmt(1 + spec.accepted / spec.verifications, 2, " tokens")} per verifying step`);
+  }
   if (typeof s.queue_length === "number") figure("queue", `${s.queue_length} waiting · ${s.running} running`);
   if (s.context) figure("context", `${s.context} tokens`);
   if (s.last_event) figure("last event", s.last_event);
