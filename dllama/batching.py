@@ -53,6 +53,7 @@ from .engine import Engine, SeqInput
 from .errors import DllamaError
 from .stream import Generation, Stream, _common_prefix
 from .kv_cache import round_capacity
+from .speculate import StepCost
 from .step import MAX_STEP_TOKENS
 
 log = logging.getLogger("dllama.batching")
@@ -95,6 +96,7 @@ class Batcher:
         # speculation: steps' sequences that carried drafts, the tokens drafted and those kept
         self.verifications = self.drafted = self.accepted = 0
         self.drafter = None  # a draft_model.DraftModel, for the requests that speculate with "draft"
+        self.step_cost = StepCost()  # of the decoding steps: how many positions auto's steps may carry
         self._alone_tokens = 0  # prompt tokens of the steps without the decoders since they last ran
         self._in_flight: set[Stream] | None = None  # the streams of a step that prompts may preempt
         self._in_flight_prompt = 0  # ... and the prompt tokens it carries beside the decoders
@@ -209,7 +211,10 @@ class Batcher:
         self.kind_steps[kind] += 1
         self.kind_tokens[kind] += sum(len(q.tokens) for q in seqs)
         # (a preempting step's own time is not a pause of its own: only the step it preempted waited)
-        self.kind_seconds[kind] += time.perf_counter() - started - (0.0 if preempt else engine.paused_s - paused)
+        seconds = time.perf_counter() - started - (0.0 if preempt else engine.paused_s - paused)
+        self.kind_seconds[kind] += seconds
+        if kind == "decode":
+            self.step_cost.add(sum(len(q.tokens) for q in seqs), seconds)
         for s, q, n, summaries in zip(streams, seqs, fed, results):
             del s.pending[:n]
             self.last_used[s.slot] = time.monotonic()
@@ -260,8 +265,11 @@ class Batcher:
             return streams, seqs, fed
         if not alone:
             self._alone_tokens = 0
+        spare = self.step_cost.latency_bound_positions() - len(decoding)  # what auto's drafts may add to the step
         for s in [] if alone else decoding:
-            drafts = s.draft(self._draft_room(s))  # (speculation: verified after the pending token)
+            auto = s.speculate == "auto"
+            drafts = s.draft(min(self._draft_room(s), max(spare, 0)) if auto else self._draft_room(s))
+            spare -= len(drafts) if auto else 0
             streams.append(s)
             seqs.append(SeqInput(s.slot, s.pending + drafts, s.params, s.recent(contexts[s.slot], 1),
                                  all_logits=bool(drafts)))

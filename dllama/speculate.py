@@ -16,16 +16,22 @@ Two drafters:
   occurrence. Text that repeats its context (code edits, quotes, lists, structured output) gets
   long accepted drafts; free text mostly finds no match and is decoded as before.
 - `draft:MODEL`, a smaller model of the same vocabulary on the root alone (draft_model.py).
+
+`auto` is prompt lookup that stops drafting for a sequence whose drafts are refused (trying again
+after a pause: DraftLength), and drafts only while a step's positions cost less than its fixed part
+(StepCost, measured on the steps as they run): one node's step is soon bound by its compute (each
+refused draft then costs a position's), a cluster's by its round trips, which drafts share.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from .errors import DllamaError
 from .sampling import SamplingParams
 
-MODES = ("off", "ngram", "draft")  # a request's; "draft" needs the draft model its command loaded
+MODES = ("off", "ngram", "draft", "auto")  # a request's; "draft" needs the draft model its command loaded
 # why a request with a repetition penalty decodes plainly: the nodes summarize a step's positions with
 # one list of recent tokens, and a penalty would need each drafted position's own
 NEEDS_NO_PENALTY = "the nodes apply a repetition penalty per step, not per drafted position"
@@ -33,15 +39,19 @@ MAX_NGRAM = 4  # the longest suffix looked up (then shorter ones, down to MIN_NG
 MIN_NGRAM = 2  # a single token repeats too often to predict what follows
 MAX_DRAFT = 8  # drafted tokens per step at most
 FIRST_DRAFT = 4  # ... and at first, before the sequence's acceptance is known
+MAX_PAUSE = 32  # auto: steps without drafts, at most, after drafts of one were refused in a row
+AUTO_FIRST_POSITIONS = 4  # auto: a step's positions before StepCost has measured any
+AUTO_MAX_POSITIONS = 64
 
 
 def parse_option(text: str) -> tuple[str, str | None]:
     """--speculate's value (off, ngram or draft:MODEL): the mode, and the draft model's name or path."""
-    if text in ("off", "ngram"):
+    if text in ("off", "ngram", "auto"):
         return text, None
     if text.startswith("draft:") and text[len("draft:"):]:
         return "draft", text[len("draft:"):]
-    raise DllamaError(f"--speculate takes off, ngram or draft:MODEL (a registry name or a .gguf path), not {text!r}")
+    raise DllamaError(f"--speculate takes off, ngram, auto or draft:MODEL (a registry name or a .gguf path), "
+                      f"not {text!r}")
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -105,12 +115,62 @@ class NgramIndex:
 @dataclass
 class DraftLength:
     """How many tokens to draft for one sequence: longer while its drafts are kept whole, shorter
-    when they are refused (at 1 a refused draft costs a step one more position)."""
+    when they are refused (at 1 a refused draft costs a step one more position). With `pause`
+    (auto), a refused draft of one stops the drafting: one draft is tried again after a pause that
+    doubles with each refusal in a row (free text pays about one position every MAX_PAUSE steps)."""
 
     k: int = FIRST_DRAFT
+    pause: bool = False
+    wait: int = 0  # paused: steps until the next try
+    last_wait: int = 0
 
     def update(self, drafted: int, kept: int) -> None:
         if kept == drafted:
             self.k = min(MAX_DRAFT, self.k + 1)
+            self.last_wait = 0
+        elif kept == 0 and self.k == 1 and self.pause:
+            self.k, self.last_wait = 0, min(MAX_PAUSE, 2 * self.last_wait or 1)
+            self.wait = self.last_wait
         elif kept == 0:
             self.k = max(1, self.k // 2)
+        else:
+            self.last_wait = 0
+
+    def plain_step(self) -> None:
+        """A step that verified no draft (paused, or nothing to propose)."""
+        if self.k == 0:
+            self.wait -= 1
+            if self.wait <= 0:
+                self.k = 1
+
+
+class StepCost:
+    """A decoding step's seconds as fixed + per_position x positions, fitted (least squares) to
+    the last steps: `latency_bound_positions` is how many positions a step may carry before they
+    cost more than its fixed part (the weights' reads, the round trips), which auto drafts within."""
+
+    def __init__(self, window: int = 64):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, positions: int, seconds: float) -> None:
+        self.samples.append((positions, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_position) seconds, or None before steps of two sizes were measured."""
+        n = len(self.samples)
+        if len({p for p, _ in self.samples}) < 2:
+            return None
+        mean_p = sum(p for p, _ in self.samples) / n
+        mean_s = sum(s for _, s in self.samples) / n
+        var = sum((p - mean_p) ** 2 for p, _ in self.samples)
+        per_position = sum((p - mean_p) * (s - mean_s) for p, s in self.samples) / var
+        return mean_s - per_position * mean_p, per_position
+
+    def latency_bound_positions(self) -> int:
+        fitted = self.fit()
+        if fitted is None:
+            return AUTO_FIRST_POSITIONS
+        fixed, per_position = fitted
+        if per_position <= 0:  # (noise: positions cost nothing measurable)
+            return AUTO_MAX_POSITIONS
+        return max(1, min(AUTO_MAX_POSITIONS, round(max(fixed, 0.0) / per_position)))

@@ -87,8 +87,9 @@ class Stream:
         if speculate not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, not {speculate!r}")
         self.speculate = speculate if can_speculate(params) else "off"  # (else: the same tokens, plainly)
-        self.draft_length = DraftLength() if self.speculate != "off" else None
-        self.lookup = NgramIndex() if self.speculate == "ngram" else None  # the prompt and the answer so far
+        self.draft_length = DraftLength(pause=self.speculate == "auto") if self.speculate != "off" else None
+        # the prompt and the answer so far
+        self.lookup = NgramIndex() if self.speculate in ("ngram", "auto") else None
         # draft:MODEL's drafts, made (by the batcher, before it plans a step) when the answer had this many tokens
         self.model_drafts: list[int] = []
         self.model_drafts_at = -1
@@ -138,6 +139,8 @@ class Stream:
         """The summaries (one per node) of the last position fed are in: sample. True when done."""
         if self._count_step(stats):
             self.out.decode_tokens += 1
+            if self.draft_length is not None:
+                self.draft_length.plain_step()
         return self._emit(self.sampler.pick(summaries), context_full, stats)
 
     def take_drafted(self, positions, drafts: list[int], context: int, ctx_size: int,

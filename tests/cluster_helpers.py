@@ -38,14 +38,15 @@ DLLAMA = [sys.executable, "-m", "dllama"]
 @contextlib.asynccontextmanager
 async def in_process_cluster(model, n_workers: int, *, algo: str = "ring", sync_dtype: str = "f64",
                              sync_mode: str = "reduce", ctx: int = 256, weights=None, secret=None, cache_dirs=None,
-                             timeout: float = 20.0):
+                             timeout: float = 20.0, slots: int = 1):
     """A root (ClusterEngine) and n worker daemons, all in this event loop, over loopback TCP."""
     workers = [Worker(secret=secret, cache_dir=None if cache_dirs is None else cache_dirs[i], timeout=timeout)
                for i in range(n_workers)]
     try:
         addrs = [await w.start("127.0.0.1", 0) for w in workers]
         engine = await ClusterEngine(model, ctx, addrs, sync=SyncConfig(algo, sync_mode, sync_dtype),
-                                     weights=weights, secret=secret, timeout=timeout, spin=0.0, progress=False).start()
+                                     weights=weights, secret=secret, timeout=timeout, spin=0.0, progress=False,
+                                     slots=slots).start()
         try:
             yield engine, workers
         finally:

@@ -1,8 +1,9 @@
 """A node lost under load, through the real commands: `dllama serve` with two `dllama worker`
 daemons (gather mode: any node count gives the 1-node answer) streams 8 answers at once when one
-worker is killed (SIGKILL), or stopped (SIGSTOP) for longer than --timeout. Every stream completes
-with the answer its request gets alone, none is lost or answered twice, the cluster re-plans once
-for all of them, and the worker, once back, is used again from the next request."""
+worker is killed (SIGKILL; speculating), or stopped (SIGSTOP) for longer than --timeout. Every
+stream completes with the answer its request gets alone (plainly), none is lost or answered twice,
+the cluster re-plans once for all of them, and the worker, once back, is used again from the next
+request."""
 
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ def alone(gguf_model, tokenizer):
     return asyncio.run(answers())
 
 
-def _stream(url: str, question, out: dict, i: int, started: threading.Event) -> None:
+def _stream(url: str, question, out: dict, i: int, started: threading.Event, extra: dict) -> None:
     """One streamed request: its text, finish reasons and [DONE]s go to out[i]."""
     got = out[i] = {"text": "", "finish": [], "done": 0, "chunks": 0, "error": None}
     try:
         stream = RawStream(url, "/v1/chat/completions", {"messages": question, "max_tokens": N_TOKENS,
-                                                         "temperature": 0, "stream": True}, timeout=300)
+                                                         "temperature": 0, "stream": True, **extra}, timeout=300)
         for event in stream.events():
             if event == "[DONE]":
                 got["done"] += 1
@@ -64,19 +65,24 @@ def _stream(url: str, question, out: dict, i: int, started: threading.Event) -> 
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_eight_streams_survive_a_worker_lost(model_path, alone, tmp_path, sig):
+def test_eight_streams_survive_a_worker_lost(model_path, alone, tmp_path, synthetic_model, sig):
+    """With SIGKILL the streams also speculate: a draft model (random: its drafts refused, rewound on
+    every node), n-gram and auto drafts, and none, all in the steps the failure interrupts."""
     logs = [tmp_path / f"worker{i}.log" for i in range(2)]
     workers = [WorkerProcess("--timeout", "3", log_file=log) for log in logs]
     victim = workers[1]
+    speculating = sig == signal.SIGKILL
+    speculate = ["--speculate", f"draft:{synthetic_model('Q8_0')}"] if speculating else []
+    asks = [{}, {"speculate": "ngram"}, {"speculate": "auto"}, {"speculate": False}] if speculating else [{}]
     try:
         with cli_server("--model", model_path, "--workers", f"{workers[0].address},{victim.address}",
                         "--ctx-size", str(CTX), "--threads", "1", "--sync-mode", "gather", "--timeout", "3",
-                        "--max-requests-per-client", str(STREAMS)) as (_proc, url):
+                        "--max-requests-per-client", str(STREAMS), *speculate) as (_proc, url):
             before = metrics(url)
             out: dict[int, dict] = {}
             started = [threading.Event() for _ in range(STREAMS)]
-            threads = [threading.Thread(target=_stream, args=(url, q, out, i, started[i]), daemon=True)
-                       for i, q in enumerate(QUESTIONS)]
+            threads = [threading.Thread(target=_stream, args=(url, q, out, i, started[i], asks[i % len(asks)]),
+                                        daemon=True) for i, q in enumerate(QUESTIONS)]
             for t in threads:
                 t.start()
             assert all(e.wait(120) for e in started), out  # every stream is mid-answer
@@ -99,6 +105,8 @@ def test_eight_streams_survive_a_worker_lost(model_path, alone, tmp_path, sig):
             by_kind = {k: after[("dllama_batch_kind_steps_total", (("kind", k),))] for k in STEP_KINDS}
             assert sum(by_kind.values()) == after[("dllama_batch_steps_total", ())] and by_kind["decode"] > 0
             assert json.loads(get(url, "/health")[1])["nodes"] == 2
+            drafted = ("dllama_speculative_drafted_tokens_total", ())
+            assert (after[drafted] > 0) == speculating
             # the worker comes back (a new one on its port, or the same one let go on): the next request uses it
             if sig == signal.SIGKILL:
                 victim.stop()

@@ -17,9 +17,10 @@ from dllama.engine import LocalEngine
 from dllama.generate import Generator
 from dllama.sampling import SamplingParams
 from dllama.server import ServerConfig, make_app
-from dllama.speculate import MAX_DRAFT, DraftLength, NgramIndex, ngram_draft
+from dllama.speculate import (AUTO_FIRST_POSITIONS, AUTO_MAX_POSITIONS, MAX_DRAFT, MAX_PAUSE, DraftLength,
+                              NgramIndex, StepCost, ngram_draft)
 
-from .cluster_helpers import run_dllama
+from .cluster_helpers import in_process_cluster, run_dllama
 from .server_helpers import ServerThread, post
 
 # a text the model goes on repeating: long drafts are kept
@@ -67,6 +68,48 @@ def test_the_draft_length_follows_what_is_kept():
     assert length.k == 1
 
 
+def test_auto_pauses_after_refusals_and_tries_again():
+    length = DraftLength(k=1, pause=True)
+    waits = []
+    for _ in range(8):  # refused drafts of one, in a row: pauses double up to MAX_PAUSE
+        length.update(1, 0)
+        assert length.k == 0
+        steps = 0
+        while length.k == 0:
+            length.plain_step()
+            steps += 1
+        waits.append(steps)
+        assert length.k == 1
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32] and MAX_PAUSE == 32
+    length.update(1, 1)  # kept: drafting grows again, and the next pause starts short
+    assert length.k == 2
+    length.update(2, 0)
+    length.update(1, 0)
+    assert length.k == 0 and length.wait == 1
+    plain = DraftLength(k=1)  # ngram: never pauses
+    plain.update(1, 0)
+    assert plain.k == 1
+
+
+def test_the_step_cost_gives_the_positions_worth_their_cost():
+    cost = StepCost(window=8)
+    assert cost.latency_bound_positions() == AUTO_FIRST_POSITIONS  # nothing measured
+    for _ in range(3):
+        cost.add(1, 0.012 + 0.004)
+    assert cost.fit() is None  # one size: no slope
+    for positions in (2, 5, 3):
+        cost.add(positions, 0.012 + 0.004 * positions)  # fixed 12 ms, 4 ms a position
+    fixed, per_position = cost.fit()
+    assert abs(fixed - 0.012) < 1e-9 and abs(per_position - 0.004) < 1e-9
+    assert cost.latency_bound_positions() == 3
+    for positions in range(1, 9):  # a cluster's round trips: 40 ms fixed, the old samples leave the window
+        cost.add(positions, 0.040 + 0.004 * positions)
+    assert cost.latency_bound_positions() == 10
+    for positions in range(1, 9):
+        cost.add(positions, 0.05)
+    assert cost.latency_bound_positions() == AUTO_MAX_POSITIONS  # positions free (noise)
+
+
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
     return tokenizer.encode(PROMPT)
@@ -102,14 +145,29 @@ def test_drafts_give_the_plain_tokens_in_fewer_steps(gguf_model, tokenizer, prom
           f"{drafted.decode_steps} with {drafted.accepted} of {drafted.drafted} drafts kept")
 
 
-def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prompt_ids):
-    """Streams that draft and streams that do not (free text finds nothing to look up) share steps."""
-    other = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
-    prompts = [prompt_ids, other, prompt_ids[:-3]]
+def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prompt_ids, monkeypatch):
+    """Streams that draft and streams that do not (free text finds little to look up) share steps,
+    with ngram and with auto, whose drafts stay within the positions StepCost allows a step."""
+    free = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
+    prompts = [prompt_ids, free, prompt_ids[:-3]]
     plain = _generate(gguf_model, tokenizer, prompts, SEEDED, "off")
-    drafted = _generate(gguf_model, tokenizer, prompts, SEEDED, "ngram")
-    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
-    assert sum(g.accepted for g in drafted) > 0
+    ngram = _generate(gguf_model, tokenizer, prompts, SEEDED, "ngram")
+    assert [g.tokens for g in ngram] == [g.tokens for g in plain]
+    assert sum(g.accepted for g in ngram) > 0
+    monkeypatch.setattr(StepCost, "latency_bound_positions", lambda self: 5)
+    decode_steps = []
+    real_step = LocalEngine.step
+
+    async def step(self, seqs, preempt=False):
+        if all(len(q.tokens) == 1 or q.all_logits for q in seqs):
+            decode_steps.append(sum(len(q.tokens) for q in seqs))
+        return await real_step(self, seqs, preempt)
+
+    monkeypatch.setattr(LocalEngine, "step", step)
+    auto = _generate(gguf_model, tokenizer, prompts, SEEDED, "auto")
+    assert [g.tokens for g in auto] == [g.tokens for g in plain]
+    assert max(decode_steps) == 5  # 3 sequences and 2 drafts, at most
+    assert auto[0].accepted > 0, [(g.drafted, g.accepted) for g in auto]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -161,6 +219,31 @@ def test_a_draft_model_that_cannot_follow_is_refused(gguf_model, synthetic_model
         DraftModel.open(path, gguf_model, 8192)
 
 
+def test_every_drafter_across_a_gather_mode_cluster_gives_one_node_s_tokens(gguf_model, tokenizer, prompt_ids,
+                                                                             synthetic_model):
+    """Root + 2 workers in gather mode (the 1-node bits on any node count), seeded at temperature
+    0.8, three requests at once: each drafter's tokens are one node's plain ones."""
+    params = SamplingParams(temperature=0.8, seed=11)
+    free = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
+    prompts = [prompt_ids, free, prompt_ids[:-3]]
+    alone = _generate(gguf_model, tokenizer, prompts, params, "off")
+
+    async def across():
+        drafter = await DraftModel.start(DraftModel.open(gguf_model.path, gguf_model, 256), "itself", 256, 3)
+        try:
+            async with in_process_cluster(gguf_model, 2, sync_mode="gather", sync_dtype="f32", ctx=256,
+                                          slots=3) as (engine, _):
+                generator = Generator(engine, tokenizer, drafter)
+                return {mode: await asyncio.gather(*(generator.generate(p, params, N_TOKENS, speculate=mode)
+                                                     for p in prompts)) for mode in ("ngram", "auto", "draft")}
+        finally:
+            await drafter.close()
+
+    for mode, drafted in asyncio.run(across()).items():
+        assert [g.tokens for g in drafted] == [g.tokens for g in alone], mode
+        assert sum(g.accepted for g in drafted) > 0, mode
+
+
 def test_drafts_across_worker_processes_give_the_plain_tokens():
     def inference(*extra):
         r = run_dllama("inference", "-p", PROMPT, "-n", str(N_TOKENS), "--temperature", "0", "--threads", "1",
@@ -168,11 +251,9 @@ def test_drafts_across_worker_processes_give_the_plain_tokens():
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout)
 
-    plain = inference()
-    for speculate in ("ngram", "draft:smollm2"):  # (the model as its own draft)
-        drafted = inference("--speculate", speculate)
-        assert drafted["tokens"] == plain["tokens"] and drafted["nodes"] == 2
-        assert drafted["speculation"]["accepted"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
+    plain, drafted = inference(), inference("--speculate", "draft:smollm2")  # (the model as its own draft)
+    assert drafted["tokens"] == plain["tokens"] and drafted["nodes"] == 2
+    assert drafted["speculation"]["accepted"] > 0 and drafted["decode_steps"] < plain["decode_steps"]
 
 
 def test_speculation_with_a_repetition_penalty_is_refused():
