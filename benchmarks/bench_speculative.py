@@ -98,18 +98,22 @@ async def one_at_a_time(url: str, modes: list[str], tokens: int, rounds: int, ou
     out = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
         for task in TASKS:
+            runs = {mode: [] for mode in modes}
+            kept = {mode: [0, 0] for mode in modes}  # drafted, accepted
+            for mode in modes:  # the prompt cached, as for every mode
+                await ask(http, url, task, tokens, {"speculate": mode} if ours else {})
+            for _ in range(rounds):  # the modes interleaved: a shared machine's noise falls on each alike
+                for mode in modes:
+                    before = await metrics(http, url) if ours else {}
+                    runs[mode].append(await ask(http, url, task, tokens, {"speculate": mode} if ours else {}))
+                    after = await metrics(http, url) if ours else {}
+                    for i, name in enumerate(("drafted", "accepted")):
+                        key = f"dllama_speculative_{name}_tokens_total"
+                        kept[mode][i] += after.get(key, 0) - before.get(key, 0)
             for mode in modes:
-                extra = {"speculate": mode} if ours else {}
-                await ask(http, url, task, tokens, extra)  # the prompt cached, as for every mode
-                before = await metrics(http, url) if ours else {}
-                runs = [await ask(http, url, task, tokens, extra) for _ in range(rounds)]
-                after = await metrics(http, url) if ours else {}
-                drafted = after.get("dllama_speculative_drafted_tokens_total", 0) - \
-                    before.get("dllama_speculative_drafted_tokens_total", 0)
-                accepted = after.get("dllama_speculative_accepted_tokens_total", 0) - \
-                    before.get("dllama_speculative_accepted_tokens_total", 0)
-                tps = statistics.median(n / s for _, n, s in runs)
-                out[task, mode] = (tps, accepted / drafted if drafted else None, runs[0][0])
+                drafted, accepted = kept[mode]
+                out[task, mode] = (statistics.median(n / s for _, n, s in runs[mode]),
+                                   accepted / drafted if drafted else None, runs[mode][0][0])
     return out
 
 

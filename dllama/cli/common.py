@@ -101,10 +101,12 @@ def sampling_options(f):
 
 
 def speculate_option(f):
-    return click.option("--speculate", default="off", show_default=True, metavar="off|ngram|draft:MODEL",
+    return click.option("--speculate", default="off", show_default=True, metavar="off|ngram|auto|draft:MODEL",
                         help="Draft tokens and verify them in one step each: fewer steps (on a cluster, round trips) "
-                             "for the same tokens. ngram: from the text so far (prompt lookup); draft:MODEL: with a "
-                             "smaller model of the same vocabulary (a registry name or .gguf path) on this node.")(f)
+                             "for the same tokens. ngram: from the text so far (prompt lookup); auto: ngram, paused "
+                             "where drafts are refused, within the positions a step's measured cost makes worth it; "
+                             "draft:MODEL: with a smaller model of the same vocabulary (a registry name or .gguf "
+                             "path) on this node.")(f)
 
 
 def speculation(opts: dict, params: SamplingParams) -> tuple[str, str | None]:

@@ -62,7 +62,7 @@ mount -o remount,bind,ro "$R/src"
 mount -t proc proc "$R/proc"
 mount -t tmpfs -o size=4g tmpfs "$R/tmp"
 exec chroot "$R" /bin/sh -c 'cd /src && exec /usr/bin/python3 -m pytest -p no:cacheprovider \
-    -p tests.aarch64.inner_plugin --color=no "$@"' sh "$@"
+    -p tests.aarch64.inner_plugin --color=no --durations 12 "$@"' sh "$@"
 """
 
 
