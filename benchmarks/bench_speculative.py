@@ -224,11 +224,14 @@ async def main() -> None:
         print_table(f"1 node, {args.threads} threads", ours, MODES, anchor)
 
     if "cluster" in setups:
-        workers = [Process(f"worker {i}", [sys.executable, "-m", "dllama", "worker", "--port", str(port),
-                                           "--threads", "1"], port)
+        workers = [Process(f"worker {i}", [sys.executable, "-m", "dllama", "worker", "--host", "127.0.0.1",
+                                           "--port", str(port), "--threads", "1"], port)
                    for i, port in enumerate((free_port(), free_port()))]
         ports = [w.port for w in workers]
         time.sleep(3)  # (the root tries a few times, too)
+        for w in workers:
+            if w.proc.poll() is not None:
+                sys.exit(f"error: {w.kind} exited: {w.log_tail()}")
         try:
             with RelayThread([("127.0.0.1", p) for p in ports], one_way_s=args.latency_ms / 1e3) as relays:
                 ours = await run_server(lambda: ours_server(model_path, 1, 1, relays.addresses),

@@ -101,16 +101,19 @@ def sampling_options(f):
 
 
 def speculate_option(f):
-    return click.option("--speculate", default="off", show_default=True, metavar="off|ngram|auto|draft:MODEL",
+    return click.option("--speculate", default=None, metavar="off|ngram|auto|draft:MODEL",
                         help="Draft tokens and verify them in one step each: fewer steps (on a cluster, round trips) "
                              "for the same tokens. ngram: from the text so far (prompt lookup); auto: ngram, paused "
                              "where drafts are refused, within the positions a step's measured cost makes worth it; "
                              "draft:MODEL: with a smaller model of the same vocabulary (a registry name or .gguf "
-                             "path) on this node.")(f)
+                             "path) on this node. [default: auto; off with a repetition penalty]")(f)
 
 
 def speculation(opts: dict, params: SamplingParams) -> tuple[str, str | None]:
-    """--speculate, checked against the sampling options: the mode, and the draft model's name or path."""
+    """--speculate, checked against the sampling options: the mode, and the draft model's name or path.
+    Not given: auto where the sampling allows it (plain decoding otherwise: the same tokens)."""
+    if opts["speculate"] is None:
+        return ("auto" if can_speculate(params) else "off"), None
     mode, draft_model = parse_option(opts["speculate"])
     if mode != "off" and not can_speculate(params):
         raise DllamaError(f"--speculate needs --repeat-penalty 1: {NEEDS_NO_PENALTY}")

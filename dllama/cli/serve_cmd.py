@@ -80,6 +80,8 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     require_credential_off_loopback(host, api_keys[0] if api_keys else None, insecure, what="API key",
                                     how="--api-key KEY (or DLLAMA_API_KEY)", whom="it")
     speculate, _ = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
+    if opts["speculate"] is None:  # (each request's own sampling decides: auto, or plainly with a penalty)
+        speculate = "auto"
     ctx = click.get_current_context()
     given = {name: opts[name] for name in SAMPLING_FIELDS
              if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
