@@ -265,10 +265,14 @@ class Batcher:
             return streams, seqs, fed
         if not alone:
             self._alone_tokens = 0
-        spare = self.step_cost.latency_bound_positions() - len(decoding)  # what auto's drafts may add to the step
+        # what drafts may add to the step: within its limit (every decoder's pending token first), and
+        # auto's within the positions worth their cost
+        room_left = MAX_STEP_TOKENS - len(decoding)
+        spare = self.step_cost.latency_bound_positions() - len(decoding)
         for s in [] if alone else decoding:
             auto = s.speculate == "auto"
-            drafts = s.draft(min(self._draft_room(s), max(spare, 0)) if auto else self._draft_room(s))
+            drafts = s.draft(min(self._draft_room(s), room_left, max(spare, 0) if auto else room_left))
+            room_left -= len(drafts)
             spare -= len(drafts) if auto else 0
             streams.append(s)
             seqs.append(SeqInput(s.slot, s.pending + drafts, s.params, s.recent(contexts[s.slot], 1),

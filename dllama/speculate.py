@@ -45,7 +45,7 @@ AUTO_MAX_POSITIONS = 64
 
 
 def parse_option(text: str) -> tuple[str, str | None]:
-    """--speculate's value (off, ngram or draft:MODEL): the mode, and the draft model's name or path."""
+    """--speculate's value (off, ngram, auto or draft:MODEL): the mode, and the draft model's name or path."""
     if text in ("off", "ngram", "auto"):
         return text, None
     if text.startswith("draft:") and text[len("draft:"):]:

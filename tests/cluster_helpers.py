@@ -67,12 +67,12 @@ class WorkerProcess:
     """`dllama worker` as a real process on a free loopback port. log_file: where its log goes
     (a file is never full, unlike a pipe nobody reads while a long test runs)."""
 
-    def __init__(self, *args: str, threads: int = 1, env: dict | None = None, log_file=None):
+    def __init__(self, *args: str, threads: int = 1, env: dict | None = None, log_file=None, preexec_fn=None):
         cmd = DLLAMA + ["worker", "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), *args]
         self.log_file = log_file
         stderr = subprocess.PIPE if log_file is None else open(log_file, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
         if log_file is not None:
             stderr.close()
         line = self.proc.stdout.readline()

@@ -48,6 +48,16 @@ def test_compose_root_serves_the_page_and_finds_its_workers():
     assert "worker1:9998,worker2:9998,worker3:9998" in commands["root-fixed"]  # the fixed list still works
 
 
+def test_every_compose_worker_has_a_memory_limit():
+    """As a small board's RAM: the worker counts its container's limit in what it admits
+    (tests/test_memory_limits.py)."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    workers = {name: s for name, s in services.items() if s["build"]["dockerfile"].startswith("worker/")}
+    assert len(workers) == 4
+    for name, service in workers.items():
+        assert service["deploy"]["resources"]["limits"]["memory"] == "2g", name
+
+
 def test_the_systemd_unit_starts_an_advertising_worker():
     unit = (ROOT / "worker" / "dllama-worker.service").read_text()
     argv = shlex.split(re.search(r"^ExecStart=(.*)$", unit, re.M).group(1))

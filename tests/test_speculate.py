@@ -137,7 +137,8 @@ def _generate(gguf_model, tokenizer, prompts, params, speculate, draft_path=None
 def test_drafts_give_the_plain_tokens_in_fewer_steps(gguf_model, tokenizer, prompt_ids, params):
     [plain] = _generate(gguf_model, tokenizer, [prompt_ids], params, "off")
     [drafted] = _generate(gguf_model, tokenizer, [prompt_ids], params, "ngram")
-    assert drafted.tokens == plain.tokens and drafted.text == plain.text
+    [auto] = _generate(gguf_model, tokenizer, [prompt_ids], params, "auto")
+    assert drafted.tokens == plain.tokens == auto.tokens and drafted.text == plain.text == auto.text
     assert plain.drafted == 0 and plain.decode_steps == plain.decode_tokens  # (one token a step)
     assert drafted.decode_tokens == plain.decode_tokens and drafted.accepted > 0
     assert drafted.decode_steps == drafted.decode_tokens - drafted.accepted < plain.decode_steps
@@ -147,14 +148,11 @@ def test_drafts_give_the_plain_tokens_in_fewer_steps(gguf_model, tokenizer, prom
 
 def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prompt_ids, monkeypatch):
     """Streams that draft and streams that do not (free text finds little to look up) share steps,
-    with ngram and with auto, whose drafts stay within the positions StepCost allows a step."""
+    with ngram, whose drafts stay within a step's limit of positions, and with auto, whose drafts
+    stay within the positions StepCost allows a step."""
     free = tokenizer.encode("The old lighthouse keeper climbed the stairs and")
     prompts = [prompt_ids, free, prompt_ids[:-3]]
     plain = _generate(gguf_model, tokenizer, prompts, SEEDED, "off")
-    ngram = _generate(gguf_model, tokenizer, prompts, SEEDED, "ngram")
-    assert [g.tokens for g in ngram] == [g.tokens for g in plain]
-    assert sum(g.accepted for g in ngram) > 0
-    monkeypatch.setattr(StepCost, "latency_bound_positions", lambda self: 5)
     decode_steps = []
     real_step = LocalEngine.step
 
@@ -164,6 +162,14 @@ def test_batched_sequences_each_get_their_own_tokens(gguf_model, tokenizer, prom
         return await real_step(self, seqs, preempt)
 
     monkeypatch.setattr(LocalEngine, "step", step)
+    monkeypatch.setattr("dllama.batching.MAX_STEP_TOKENS", 6)  # (the prompts in chunks of 6, too)
+    ngram = _generate(gguf_model, tokenizer, prompts, SEEDED, "ngram")
+    assert [g.tokens for g in ngram] == [g.tokens for g in plain]
+    assert sum(g.accepted for g in ngram) > 0 and max(decode_steps) == 6
+    monkeypatch.undo()
+    monkeypatch.setattr(LocalEngine, "step", step)
+    monkeypatch.setattr(StepCost, "latency_bound_positions", lambda self: 5)
+    decode_steps.clear()
     auto = _generate(gguf_model, tokenizer, prompts, SEEDED, "auto")
     assert [g.tokens for g in auto] == [g.tokens for g in plain]
     assert max(decode_steps) == 5  # 3 sequences and 2 drafts, at most

@@ -1,4 +1,5 @@
-"""What a node of a cluster tells about itself: the memory it can take, its RSS, its speed."""
+"""What a node of a cluster tells about itself: the memory it can take (its cgroups' limits included),
+its RSS, its speed."""
 
 from __future__ import annotations
 
@@ -8,8 +9,19 @@ import time
 import numpy as np
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge number (a page-rounded 2^63 - 1)
+
+
 def mem_available() -> int | None:
-    """Bytes the kernel thinks can still be allocated (Linux), None where unknown."""
+    """Bytes this process can still allocate (Linux), None where unknown: the tightest of what the
+    kernel thinks is available (MemAvailable) and what the memory cgroups it runs in still allow (a
+    container's limit, a systemd MemoryMax: MemAvailable knows nothing of them)."""
+    found = [x for x in (_meminfo_available(), cgroup_headroom()) if x is not None]
+    return min(found) if found else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -18,6 +30,59 @@ def mem_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def cgroup_headroom(proc_cgroup: str | None = None, root: str = CGROUP_ROOT) -> int | None:
+    """Bytes the memory cgroups of this process still allow: the least limit - usage over its
+    cgroup and each ancestor that has a limit, in cgroup v2 (memory.max, memory.current) or v1
+    (memory.limit_in_bytes, memory.usage_in_bytes); None where no limit is set or none can be read.
+    proc_cgroup: /proc/self/cgroup's text (read when None). In a container the path it names may not
+    exist under the mount (no cgroup namespace): the mount's own top is the container's cgroup then."""
+    if proc_cgroup is None:
+        try:
+            with open("/proc/self/cgroup") as f:
+                proc_cgroup = f.read()
+        except OSError:
+            return None
+    headroom = None
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _id, controllers, path = parts
+        if controllers == "":  # v2: the unified hierarchy, at the root or (hybrid) at unified/
+            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else os.path.join(root, "unified")
+            files = ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in _cgroup_folders(base, path):
+            room = _room(folder, *files)
+            if room is not None:
+                headroom = room if headroom is None else min(headroom, room)
+    return headroom
+
+
+def _cgroup_folders(base: str, path: str) -> list[str]:
+    """The folders of a cgroup and of its ancestors up to the mount's top (which is the container's
+    own cgroup where the path is the host's)."""
+    parts = [p for p in path.split("/") if p]
+    folders = [os.path.join(base, *parts[:n]) for n in range(len(parts), 0, -1)]
+    return [f for f in folders if os.path.isdir(f)] + [base]
+
+
+def _room(folder: str, limit_file: str, usage_file: str) -> int | None:
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+        return None
+    return max(int(limit) - usage, 0)
 
 
 def rss_mb(pid: int | None = None) -> float:

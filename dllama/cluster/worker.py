@@ -65,12 +65,13 @@ class Worker:
         await self.listener.close()
 
     def memory_budget(self) -> int | None:
-        """Bytes a session may declare (slices + KV cache): --max-memory, else what the kernel says
-        is available less a margin; None where unknown."""
-        if self.max_memory is not None:
-            return self.max_memory
+        """Bytes a session may declare (slices + KV cache): the tightest of --max-memory and what
+        this process can still allocate (node.mem_available: the kernel's figure and its memory
+        cgroups' limits) less a margin; None where neither is known."""
         available = mem_available()
-        return None if available is None else max(available - MEMORY_MARGIN, 0)
+        found = [x for x in (self.max_memory, None if available is None else max(available - MEMORY_MARGIN, 0))
+                 if x is not None]
+        return min(found) if found else None
 
     async def _on_connection(self, conn, hello) -> None:
         if hello.role == "peer":
@@ -211,7 +212,7 @@ class _Session:
         if budget is not None and need > budget:
             raise DllamaError(f"the slice and its KV cache need {need / 1e6:.0f} MB, more than the "
                               f"{budget / 1e6:.0f} MB this worker has available"
-                              + (" (--max-memory)" if self.worker.max_memory is not None else ""))
+                              + (" (--max-memory)" if budget == self.worker.max_memory else ""))
         self.held_bytes = need
         config, shard = setup.config.model_config(), setup.shard
         projection = setup.sync.projection([s.shard() for s in setup.shards], config.head_dim)
