@@ -36,6 +36,8 @@ def test_the_tightest_cgroup_limit_counts_v1(tmp_path):
     _write(memory, memory_limit_in_bytes=250 * MB, memory_usage_in_bytes=100 * MB)
     assert cgroup_headroom("4:memory:/docker/0123abcd\n", str(tmp_path)) == 150 * MB
     assert cgroup_headroom("4:cpu,cpuacct:/x\n", str(tmp_path)) is None  # no memory controller: no limit known
+    (memory / "memory.stat").write_text("cache 60000000\ntotal_inactive_file 40000000\n")
+    assert cgroup_headroom("4:memory:/docker/0123abcd\n", str(tmp_path)) == 190 * MB  # page cache it can drop
 
 
 def test_the_tightest_cgroup_limit_counts_v2_and_hybrid(tmp_path):
@@ -44,6 +46,8 @@ def test_the_tightest_cgroup_limit_counts_v2_and_hybrid(tmp_path):
     _write(v2 / "user.slice", memory_max=2_000 * MB, memory_current=1_900 * MB)
     _write(v2 / "user.slice" / "dllama.service", memory_max="max", memory_current=120 * MB)
     assert cgroup_headroom("0::/user.slice/dllama.service\n", str(v2)) == 100 * MB
+    (v2 / "user.slice" / "memory.stat").write_text("anon 1000\ninactive_file 50000000\n")
+    assert cgroup_headroom("0::/user.slice/dllama.service\n", str(v2)) == 150 * MB
     _write(v2 / "user.slice", memory_max="max", memory_current=1_900 * MB)
     assert cgroup_headroom("0::/user.slice/dllama.service\n", str(v2)) is None
     hybrid = tmp_path / "hybrid"  # v1 controllers, and the unified hierarchy at unified/

@@ -73,6 +73,8 @@ def _cgroup_folders(base: str, path: str) -> list[str]:
 
 
 def _room(folder: str, limit_file: str, usage_file: str) -> int | None:
+    """limit - usage of one cgroup, the page cache it could drop (inactive files) not counted as
+    used, as `docker stats` counts it; None without a limit."""
     try:
         with open(os.path.join(folder, limit_file)) as f:
             limit = f.read().strip()
@@ -82,7 +84,18 @@ def _room(folder: str, limit_file: str, usage_file: str) -> int | None:
         return None
     if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
         return None
-    return max(int(limit) - usage, 0)
+    return max(int(limit) - usage + _inactive_file(folder), 0)
+
+
+def _inactive_file(folder: str) -> int:
+    """memory.stat's inactive page cache (v2: inactive_file; v1, with the cgroup's children:
+    total_inactive_file); 0 where it cannot be read."""
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            stats = dict(line.split() for line in f if line.count(" ") == 1)
+        return int(stats.get("inactive_file", stats.get("total_inactive_file", 0)))
+    except (OSError, ValueError):
+        return 0
 
 
 def rss_mb(pid: int | None = None) -> float:
