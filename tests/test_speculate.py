@@ -120,7 +120,8 @@ def _generate(gguf_model, tokenizer, prompts, params, speculate, draft_path=None
         engine = LocalEngine(gguf_model, 512, slots=len(prompts))
         drafter = None
         if draft_path is not None:
-            drafter = await DraftModel.start(DraftModel.open(draft_path, gguf_model, 512), draft_path, 512, len(prompts))
+            draft = DraftModel.open(draft_path, gguf_model, 512)
+            drafter = await DraftModel.start(draft, draft_path, 512, len(prompts))
         try:
             generator = Generator(engine, tokenizer, drafter)
             return await asyncio.gather(*(generator.generate(p, params, N_TOKENS, speculate=speculate)
