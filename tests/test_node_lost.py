@@ -72,7 +72,7 @@ def test_eight_streams_survive_a_worker_lost(model_path, alone, tmp_path, synthe
     workers = [WorkerProcess("--timeout", "3", log_file=log) for log in logs]
     victim = workers[1]
     speculating = sig == signal.SIGKILL
-    speculate = ["--speculate", f"draft:{synthetic_model('Q8_0')}"] if speculating else []
+    speculate = ["--speculate", f"draft:{synthetic_model('Q8_0')}" if speculating else "off"]
     asks = [{}, {"speculate": "ngram"}, {"speculate": "auto"}, {"speculate": False}] if speculating else [{}]
     try:
         with cli_server("--model", model_path, "--workers", f"{workers[0].address},{victim.address}",
