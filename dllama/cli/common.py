@@ -186,7 +186,7 @@ async def open_runtime(opts: dict, quiet: bool = False, compute_here: bool = Fal
     cfg = model.config
     ctx = min(opts.get("ctx_size") or min(cfg.context_length, DEFAULT_CTX), cfg.context_length)
     tokenizer = Tokenizer(path, model.chat_template, cfg.bos_id, cfg.eos_id)
-    _mode, draft_name = parse_option(opts.get("speculate") or "off")
+    draft_name = opts.get("draft_model")  # (speculation()'s, set by the commands that speculate)
     draft_model = None if draft_name is None else DraftModel.open(draft_name, model, ctx)  # (refused before loading)
     slots, kv_budget = opts.get("max_batch") or 1, opts.get("kv_budget")  # (serve's: the others run one sequence)
     if kv_budget is not None and kv_budget < ctx:

@@ -34,7 +34,7 @@ def inference(prompt, steps, stop, as_json, **opts):
 
 async def _inference(prompt, steps, stop, as_json, opts):
     params = sampling_params(opts)  # (checked before anything loads)
-    speculate, _ = speculation(opts, params)
+    speculate, opts["draft_model"] = speculation(opts, params)
     rt = await open_runtime(opts, quiet=as_json, compute_here=True)
     try:
         ids = rt.tokenizer.encode(prompt)
@@ -77,7 +77,7 @@ def chat(system_prompt, max_tokens, **opts):
 
 async def _chat(system_prompt, max_tokens, opts):
     params = sampling_params(opts)  # (checked before anything loads)
-    speculate, _ = speculation(opts, params)
+    speculate, opts["draft_model"] = speculation(opts, params)
     rt = await open_runtime(opts, compute_here=True)
     try:
         if not rt.tokenizer.has_chat_template:

@@ -79,7 +79,7 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     api_keys = tuple(key for key in api_keys if key)  # DLLAMA_API_KEY= (empty) means no key
     require_credential_off_loopback(host, api_keys[0] if api_keys else None, insecure, what="API key",
                                     how="--api-key KEY (or DLLAMA_API_KEY)", whom="it")
-    speculate, _ = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
+    speculate, draft_model = speculation(opts, sampling_params(opts))  # the options' ranges, checked as the other commands do
     if opts["speculate"] is None:  # (each request's own sampling decides: auto, or plainly with a penalty)
         speculate = "auto"
     ctx = click.get_current_context()
@@ -93,7 +93,8 @@ def serve(host, port, max_batch, kv_budget, max_queue, max_tokens_limit, max_bod
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("dllama.server", "aiohttp.access"):  # one line per request, and the server's notes
         logging.getLogger(name).setLevel(logging.INFO)
-    run_async(_serve(host, port, config, {**opts, "max_batch": max_batch, "kv_budget": kv_budget}))
+    run_async(_serve(host, port, config, {**opts, "max_batch": max_batch, "kv_budget": kv_budget,
+                                          "draft_model": draft_model}))
 
 
 async def _serve(host, port, config, opts):
