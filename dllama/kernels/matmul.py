@@ -50,19 +50,35 @@ _Q4_K, _Q6_K, _Q5_K = 0, 1, 2
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _dot_quant(w, fmt, wide, xq, xd, xds, r, t):
-    """One (row, token) dot; wide: the float64-accumulating dot products."""
+def _dot_quant(w, fmt, xq, xd, xds, r, t):
+    """One (row, token) dot."""
     if fmt == _Q4_1:
-        return dot_q4_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_1_q8(w, r, xq, xd, xds, t)
+        return dot_q4_1_q8(w, r, xq, xd, xds, t)
     if fmt == _Q4_0:
-        return dot_q4_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q4_0_q8(w, r, xq, xd, xds, t)
+        return dot_q4_0_q8(w, r, xq, xd, xds, t)
     if fmt == _Q5_0:
-        return dot_q5_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_0_q8(w, r, xq, xd, xds, t)
+        return dot_q5_0_q8(w, r, xq, xd, xds, t)
     if fmt == _Q5_1:
-        return dot_q5_1_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q5_1_q8(w, r, xq, xd, xds, t)
+        return dot_q5_1_q8(w, r, xq, xd, xds, t)
     if fmt == _IQ4_NL:
-        return dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t) if wide else dot_iq4_nl_q8(w, r, xq, xd, xds, t)
-    return dot_q8_0_q8_wide(w, r, xq, xd, xds, t) if wide else dot_q8_0_q8(w, r, xq, xd, xds, t)
+        return dot_iq4_nl_q8(w, r, xq, xd, xds, t)
+    return dot_q8_0_q8(w, r, xq, xd, xds, t)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _dot_quant_wide(w, fmt, xq, xd, xds, r, t):
+    """One (row, token) dot, accumulated in float64."""
+    if fmt == _Q4_1:
+        return dot_q4_1_q8_wide(w, r, xq, xd, xds, t)
+    if fmt == _Q4_0:
+        return dot_q4_0_q8_wide(w, r, xq, xd, xds, t)
+    if fmt == _Q5_0:
+        return dot_q5_0_q8_wide(w, r, xq, xd, xds, t)
+    if fmt == _Q5_1:
+        return dot_q5_1_q8_wide(w, r, xq, xd, xds, t)
+    if fmt == _IQ4_NL:
+        return dot_iq4_nl_q8_wide(w, r, xq, xd, xds, t)
+    return dot_q8_0_q8_wide(w, r, xq, xd, xds, t)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -82,16 +98,16 @@ def _tile_quant(w, fmt, xq, xd, xds, r, t, out):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _tiled_products(dot, tile, w, fmt, wide, xq, xd, xs, out):
-    """out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t) for every row r and token t. Several tokens:
+def _tiled_products(dot, tile, w, fmt, xq, xd, xs, out):
+    """out[t, r] = dot(w, fmt, xq, xd, xs, r, t) for every row r and token t. Several tokens:
     tiles of TILE_ROWS x TILE_TOKENS (each pair summed as alone: the bits do not depend on the
-    batch), the edges one pair at a time; wide (float64) one pair at a time."""
+    batch), the edges one pair at a time."""
     T = xq.shape[0]
     rows = w.shape[0]
-    if wide or T < TILE_TOKENS:
+    if T < TILE_TOKENS:
         for r in prange(rows):
             for t in range(T):
-                out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t)
+                out[t, r] = dot(w, fmt, xq, xd, xs, r, t)
         return
     tiled_tokens = T - T % TILE_TOKENS
     for g in prange((rows + TILE_ROWS - 1) // TILE_ROWS):
@@ -103,13 +119,30 @@ def _tiled_products(dot, tile, w, fmt, wide, xq, xd, xs, out):
             first_single = tiled_tokens
         for r in range(r0, min(r0 + TILE_ROWS, rows)):
             for t in range(first_single, T):
-                out[t, r] = dot(w, fmt, wide, xq, xd, xs, r, t)
+                out[t, r] = dot(w, fmt, xq, xd, xs, r, t)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _pairwise_products(dot, w, fmt, xq, xd, xs, out):
+    """out[t, r] = dot(w, fmt, xq, xd, xs, r, t), one pair at a time (the float64 dots: no tiles)."""
+    for r in prange(w.shape[0]):
+        for t in range(xq.shape[0]):
+            out[t, r] = dot(w, fmt, xq, xd, xs, r, t)
+
+
+# The float32 and float64 products are kernels of their own: numba compiles a kernel's every branch,
+# and a runtime `wide` flag would compile each with the other's dots too (a third more compile time,
+# under qemu minutes).
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_quant(w, fmt, xq, xd, xds, out):
+    """Quantized weights against Q8 activations."""
+    _tiled_products(_dot_quant, _tile_quant, w, fmt, xq, xd, xds, out)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_quant(w, fmt, wide, xq, xd, xds, out):
-    """Quantized weights against Q8 activations; wide: float64 accumulation (out is float64)."""
-    _tiled_products(_dot_quant, _tile_quant, w, fmt, wide, xq, xd, xds, out)
+def _mm_quant_wide(w, fmt, xq, xd, xds, out):
+    """_mm_quant accumulated in float64 (out is float64)."""
+    _pairwise_products(_dot_quant_wide, w, fmt, xq, xd, xds, out)
 
 
 # the same products over packed rows (packing.py), 4 or 8 to a group; same bits as above
@@ -387,12 +420,21 @@ def _mm_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
-def _dot_k_quant(w, fmt, wide, xq, xd, xs, r, t):
+def _dot_k_quant(w, fmt, xq, xd, xs, r, t):
     if fmt == _Q4_K:
-        return dot_q4_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q4_k_q8k(w, r, xq, xd, xs, t)
+        return dot_q4_k_q8k(w, r, xq, xd, xs, t)
     if fmt == _Q5_K:
-        return dot_q5_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q5_k_q8k(w, r, xq, xd, xs, t)
-    return dot_q6_k_q8k_wide(w, r, xq, xd, xs, t) if wide else dot_q6_k_q8k(w, r, xq, xd, xs, t)
+        return dot_q5_k_q8k(w, r, xq, xd, xs, t)
+    return dot_q6_k_q8k(w, r, xq, xd, xs, t)
+
+
+@njit(inline="always", nogil=True, cache=CACHE)
+def _dot_k_quant_wide(w, fmt, xq, xd, xs, r, t):
+    if fmt == _Q4_K:
+        return dot_q4_k_q8k_wide(w, r, xq, xd, xs, t)
+    if fmt == _Q5_K:
+        return dot_q5_k_q8k_wide(w, r, xq, xd, xs, t)
+    return dot_q6_k_q8k_wide(w, r, xq, xd, xs, t)
 
 
 @njit(inline="always", nogil=True, cache=CACHE)
@@ -406,9 +448,15 @@ def _tile_k_quant(w, fmt, xq, xd, xs, r, t, out):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _mm_k_quant(w, fmt, wide, xq, xd, xs, out):
-    """K-quant weights against Q8_K activations; wide: float64 (out is float64)."""
-    _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, wide, xq, xd, xs, out)
+def _mm_k_quant(w, fmt, xq, xd, xs, out):
+    """K-quant weights against Q8_K activations."""
+    _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, xq, xd, xs, out)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _mm_k_quant_wide(w, fmt, xq, xd, xs, out):
+    """_mm_k_quant accumulated in float64 (out is float64)."""
+    _pairwise_products(_dot_k_quant_wide, w, fmt, xq, xd, xs, out)
 
 
 # the same products over packed rows of K-quants (simd_q8k.py), 4 or 2 to a group
@@ -692,11 +740,11 @@ def matmul(w: np.ndarray | PackedRows, qtype: QType, x, out: np.ndarray | None =
     w = read_only(w)
     if qtype in _QUANT_KERNEL:
         a = x.q8
-        _mm_quant(w, _QUANT_KERNEL[qtype], wide, a.q, a.d, a.ds, out)
+        (_mm_quant_wide if wide else _mm_quant)(w, _QUANT_KERNEL[qtype], a.q, a.d, a.ds, out)
         return out
     if qtype in _K_KERNEL:
         k = x.q8k
-        _mm_k_quant(w, _K_KERNEL[qtype], wide, k.q, k.d, k.sums, out)
+        (_mm_k_quant_wide if wide else _mm_k_quant)(w, _K_KERNEL[qtype], k.q, k.d, k.sums, out)
         return out
     if x.x is None:
         raise ValueError(f"a {QType(qtype).name} matmul needs float activations, not Q8 blocks")
