@@ -19,7 +19,7 @@ LLAMA_LIB_ONLY := -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DL
                   -DLLAMA_BUILD_TESTS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_NO_COMMON)
 LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: install llama-cpp kernels model chat test test-all kernels-every-format aarch64 aarch64-runs reference-avx2 browser bench bench-deps clean
+.PHONY: install llama-cpp kernels model chat test test-all bytecode kernels-every-format aarch64 aarch64-runs reference-avx2 browser bench bench-deps clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,14 +79,19 @@ browser: aarch64  # after it: two apt-get runs at once could fail on the package
 # two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles, then the emulated aarch64
 # runs start. The suite runs in two processes, a test file each at a time (pytest-xdist): most tests wait
 # on other processes (workers, servers, llama.cpp); the aarch64 runs take what CPU is left.
+# The suite starts ~250 Python processes (workers, roots, servers): where PYTHONDONTWRITEBYTECODE is set
+# (as on the machines this suite was measured on) each would compile dllama's sources again: ~0.3 CPU-s a start
+bytecode:
+	$(PYTHON) -m compileall -q dllama tests benchmarks >/dev/null
+
 PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --durations 25
 
-test:
+test: bytecode
 	$(MAKE) --jobs=2 model kernels-every-format aarch64-runs reference-avx2 browser
 	$(PYTEST)
 
 # the default suite and the tests marked slow: properties the default suite tests, at bigger sizes
-test-all:
+test-all: bytecode
 	$(MAKE) --jobs=2 model kernels-every-format aarch64-runs reference-avx2 browser
 	$(PYTEST) -m "slow or not slow"
 
