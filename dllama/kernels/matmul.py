@@ -101,14 +101,10 @@ def _tile_quant(w, fmt, xq, xd, xds, r, t, out):
 def _tiled_products(dot, tile, w, fmt, xq, xd, xs, out):
     """out[t, r] = dot(w, fmt, xq, xd, xs, r, t) for every row r and token t. Several tokens:
     tiles of TILE_ROWS x TILE_TOKENS (each pair summed as alone: the bits do not depend on the
-    batch), the edges one pair at a time."""
+    batch), the edges one pair at a time. One parallel loop for any T (fewer tokens than a tile:
+    pairs only): numba compiles each loop with its own copy of every format's dot."""
     T = xq.shape[0]
     rows = w.shape[0]
-    if T < TILE_TOKENS:
-        for r in prange(rows):
-            for t in range(T):
-                out[t, r] = dot(w, fmt, xq, xd, xs, r, t)
-        return
     tiled_tokens = T - T % TILE_TOKENS
     for g in prange((rows + TILE_ROWS - 1) // TILE_ROWS):
         r0 = g * TILE_ROWS
