@@ -123,9 +123,11 @@ class GGUFFile:
         if n_tensors > len(self._buf) or n_kv > len(self._buf):
             raise ModelError(f"not a valid GGUF file: {self.path} (implausible counts)")
         self.metadata: dict[str, object] = {}
+        self.value_types: dict[str, int] = {}  # GGUF's value type of each key (gguf.GGUFValueType)
         for _ in range(n_kv):
             key = self._string()
-            self.metadata[key] = self._value(self._read("<I"))
+            self.value_types[key] = self._read("<I")
+            self.metadata[key] = self._value(self.value_types[key])
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -156,6 +158,18 @@ class GGUFFile:
         """An array's elements as they are in the file (None if `key` is not an array)."""
         value = self.metadata.get(key)
         return bytes(self._buf[value.start:value.end]) if isinstance(value, ArrayInfo) else None
+
+    def array_values(self, key: str) -> list:
+        """The elements of the array `key` (read now: the parse skipped them)."""
+        info = self.metadata[key]
+        if not isinstance(info, ArrayInfo):
+            raise ValueError(f"{key} is not an array")
+        if info.elem_type != _STRING:
+            return np.frombuffer(self._buf[info.start:info.end], _SCALARS[info.elem_type]).tolist()
+        self._pos, values = info.start, []
+        for _ in range(info.length):
+            values.append(self._string())
+        return values
 
     # ------------------------------------------------------------------ tensor data
 

@@ -43,10 +43,12 @@ def test_metadata_equals_gguf_py(reader, ours):
     assert ours.version == reader.fields["GGUF.version"].contents()
     for key in expected_keys:
         field, value = reader.fields[key], ours.metadata[key]
+        assert ours.value_types[key] == int(field.types[0]), key
         if field.types[0] == GGUFValueType.ARRAY:
             assert isinstance(value, ArrayInfo), key
             assert value.elem_type == int(field.types[1]), key
             assert value.length == len(field.data), key
+            assert ours.array_values(key) == field.contents(), key  # (read on demand: the parse skips them)
         else:
             expected = field.contents()
             assert value == expected and type(value) is type(expected), key
