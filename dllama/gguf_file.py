@@ -26,6 +26,7 @@ from .errors import ModelError
 _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _DTYPES = {GGML.F32: np.float32, GGML.F16: np.float16, GGML.F64: np.float64,
            GGML.I8: np.int8, GGML.I16: np.int16, GGML.I32: np.int32, GGML.I64: np.int64}
 
@@ -86,11 +87,6 @@ class GGUFFile:
         self._pos += n
         return s
 
-    def _skip_string(self) -> None:
-        n = self._read("<Q")
-        self._need(n, "a string")
-        self._pos += n
-
     def _value(self, vtype: int):
         if vtype in _SCALARS:
             return self._read(_SCALARS[vtype])
@@ -99,9 +95,15 @@ class GGUFFile:
         if vtype == _ARRAY:
             elem_type, length = self._read("<I"), self._read("<Q")
             start = self._pos
-            if elem_type == _STRING:
+            if elem_type == _STRING:  # (a vocabulary: 100k+ of them, so the loop is kept lean)
+                buf, pos, size, length_at = self._buf, self._pos, len(self._buf), _U64.unpack_from
                 for _ in range(length):
-                    self._skip_string()
+                    if pos + 8 > size:
+                        pos = size + 1
+                        break
+                    pos += 8 + length_at(buf, pos)[0]
+                self._pos = pos
+                self._need(0, "a string")
             elif elem_type in _SCALARS:
                 size = struct.calcsize(_SCALARS[elem_type]) * length
                 self._need(size, "an array")
