@@ -76,15 +76,16 @@ reference-avx2: install
 browser: aarch64  # after it: two apt-get runs at once could fail on the package lists' lock
 	sh tests/browser/install_chromium.sh
 
-# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles, then the emulated aarch64
-# runs start. The suite runs in two processes, a test file each at a time (pytest-xdist): most tests wait
-# on other processes (workers, servers, llama.cpp); the aarch64 runs take what CPU is left.
 # The suite starts ~250 Python processes (workers, roots, servers): where PYTHONDONTWRITEBYTECODE is set
 # (as on the machines this suite was measured on) each would compile dllama's sources again: ~0.3 CPU-s a start
 bytecode:
 	$(PYTHON) -m compileall -q dllama tests benchmarks >/dev/null
 
-PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --durations 25
+# two jobs: the chroot (mostly downloads) builds while llama-cpp-python compiles, then the emulated aarch64
+# runs start. The suite runs in two processes, a test file each at a time (pytest-xdist), the longest files
+# first (conftest.py's order, which --no-loadscope-reorder keeps): most tests wait on other processes
+# (workers, servers, llama.cpp); the aarch64 runs take what CPU is left.
+PYTEST := $(BIN)/python -m pytest -q --numprocesses 2 --dist loadfile --no-loadscope-reorder --durations 25
 
 test: bytecode
 	$(MAKE) --jobs=2 model kernels-every-format aarch64-runs reference-avx2 browser

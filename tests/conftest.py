@@ -149,10 +149,10 @@ def _aarch64_module(session):
     return next((item.module for item in getattr(session, "items", []) if _is_aarch64_test(item)), None)
 
 
-# The files that take longest (seconds of wall time a file, `make test` on a 2-core x86), first:
-# pytest-xdist hands out whole files in collection order, and a long file handed out last ran alone
-# at the end of the suite while the other process had nothing left to do (the longest first, the
-# short ones then fill the gaps). Only the order: a file missing here runs after these, as collected.
+# The files that take longest (wall time, `make test` on a 2-core x86), first: pytest-xdist hands out
+# whole files, in collection order with --no-loadscope-reorder (as `make test` runs it; by default the
+# files with the most tests first), and a long file handed out last ran alone at the end of the suite
+# while the other process had nothing left to do. Only the order: files not listed follow, as collected.
 LONGEST_FIRST = ("test_cluster_cli", "test_fidelity", "test_cluster_equivalence", "test_cli", "test_worker_fuzz",
                  "test_architectures", "test_discovery", "test_netns_cluster", "test_batch_invariance",
                  "test_batching", "test_determinism", "test_worker_hardening", "test_node_lost", "test_speculate",
