@@ -62,6 +62,7 @@ def _check(inner_result, report_in_summary, what: str, dotprod: bool) -> str:
     report_in_summary(f"{what}: {summary}")
     _assert_ran(returncode, out, summary, check, run.tests)
     assert f"dotprod={dotprod}" in check, check
+    assert f"parallel={'DLLAMA_SERIAL_KERNELS' not in run.env}" in check, check  # (the kernels runs.py asked for)
     assert not dotprod or "cpu=cortex-a76" in check, check
     return out
 

@@ -84,6 +84,38 @@ def test_matmul_matches_reference(qtype, rows, T):
     assert rel_err(ours, ref) <= 1e-5
 
 
+_SERIAL_PRODUCTS = """
+import sys
+import numpy as np
+from dllama.kernels import PARALLEL
+from dllama.kernels.activations import Activations
+from dllama.kernels.matmul import _mm_quant, matmul
+assert not PARALLEL and not _mm_quant.targetoptions["parallel"]
+w = np.load(sys.argv[1])
+for T in (1, 9):  # one pair at a time, and tiles
+    x = np.random.default_rng(T).standard_normal((T, w.shape[1] // 18 * 32), dtype=np.float32)
+    sys.stdout.buffer.write(matmul(w, {qtype}, Activations(x)).tobytes())
+"""
+
+
+def test_serial_kernels_give_the_parallel_kernels_bits(tmp_path):
+    """DLLAMA_SERIAL_KERNELS (the emulated aarch64 runs' kernels, tests/aarch64/runs.py): numba's parallel
+    loops compiled as plain loops give the bits of the parallel kernels, which run here on 2 threads."""
+    from dllama.kernels.activations import Activations
+    from dllama.kernels.matmul import _mm_quant
+
+    assert _mm_quant.targetoptions["parallel"]
+    w = weight_matrix(QType.Q4_0, 67, 320, seed=5).data
+    np.save(tmp_path / "w.npy", w)
+    expected = b"".join(matmul(w, QType.Q4_0, Activations(np.random.default_rng(T).standard_normal(
+        (T, 320), dtype=np.float32))).tobytes() for T in (1, 9))
+    env = {**os.environ, "DLLAMA_SERIAL_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-c", _SERIAL_PRODUCTS.format(qtype=int(QType.Q4_0)), str(tmp_path / "w.npy")],
+                       capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert r.stdout == expected
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_matmul_on_column_slices(qtype):
     """A column slice is a strided view: rows are not adjacent in memory."""

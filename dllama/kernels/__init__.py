@@ -9,6 +9,11 @@ import numpy as np
 
 # numba's on-disk cache of every kernel (cache=CACHE); set DLLAMA_NO_JIT_CACHE to inspect the generated assembly
 CACHE = "DLLAMA_NO_JIT_CACHE" not in os.environ
+# DLLAMA_SERIAL_KERNELS: numba's parallel loops compiled as plain loops (parallel=PARALLEL): the same loop
+# bodies and intrinsics, the same bits, on one thread. For the emulated aarch64 runs, which use one thread
+# anyway, and in which numba compiling each parallel loop as a function of its own took half of every
+# kernel's compile under qemu.
+PARALLEL = "DLLAMA_SERIAL_KERNELS" not in os.environ
 
 
 def _jit_cache_dir() -> Path:
@@ -19,7 +24,7 @@ def _jit_cache_dir() -> Path:
     digest = hashlib.sha256()
     for source in sorted(here.glob("*.py")) + [here.parent / "quant.py"]:
         digest.update(source.read_bytes())
-    for flag in ("DLLAMA_AVX2_ONLY", "DLLAMA_NO_DOTPROD"):  # they change the IR simd.py writes
+    for flag in ("DLLAMA_AVX2_ONLY", "DLLAMA_NO_DOTPROD", "DLLAMA_SERIAL_KERNELS"):  # they change the IR
         digest.update(flag.encode() if flag in os.environ else b"")
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "dllama" / f"jit-{digest.hexdigest()[:16]}"

@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant import QK
-from . import CACHE, SERIAL_VALUES
+from . import CACHE, PARALLEL, SERIAL_VALUES
 from .simd import (F32, I8, I16, I32, I64, LANES, X86_WIDE_RUNS, call_llvm, const_vec, load_at, round_to_f16, row_ptr,
                    splat, vec)
 
@@ -102,7 +102,7 @@ def _quantize_q8_row_paired(typingctx, x, t, xq, xd, xds, bias, out):
     return types.void(x, t, xq, xd, xds, bias, out), _q8_row_codegen(paired=True)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _quantize_q8(x, xq, xd, xds):
     if x.size <= SERIAL_VALUES:  # a few rows: no thread team
         for t in range(x.shape[0]):
@@ -132,7 +132,7 @@ def _pair_q8_row(q, q32, bias, out32, sums, t):
             sums[t, (PAIRED_BLOCK_BYTES // 2) * b + 32 + k] = -bias * s
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _pair_q8(q, bias, out):
     """out (T, blocks * PAIRED_BLOCK_BYTES) int8: q's paired layout."""
     q32, out32, sums = q.view(np.uint32), out.view(np.uint32), out.view(np.int16)
@@ -140,7 +140,7 @@ def _pair_q8(q, bias, out):
         _pair_q8_row(q, q32, bias, out32, sums, t)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _quantize_q8_paired(x, xq, xd, xds, bias, out):
     """_quantize_q8 and _pair_q8 in one pass (each block still in registers)."""
     if x.size <= SERIAL_VALUES:  # as _quantize_q8
@@ -178,7 +178,7 @@ def _q8_starts_row(q, q64, out64, starts, t):
             starts[t, (STARTS_BLOCK_BYTES // 4) * b + 8 + k] = -STARTS_BIAS * s
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _q8_starts(q, out):
     """out (T, blocks * STARTS_BLOCK_BYTES) int8: q's starts layout."""
     q64, out64, starts = q.view(np.uint64), out.view(np.uint64), out.view(np.int32)
@@ -315,7 +315,7 @@ def _quantize_q8_k_row(x, xq, xd, xs, t):
             xs[t, 16 * b + g] = s
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _quantize_q8_k(x, xq, xd, xs):
     if x.size <= SERIAL_VALUES:  # as _quantize_q8
         for t in range(x.shape[0]):

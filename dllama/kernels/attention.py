@@ -15,7 +15,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic
 
 from ..kv_cache import V_TILE
-from . import CACHE
+from . import CACHE, PARALLEL
 from .activations import round_f16
 from .matmul import f16_tail
 from .ops import expf
@@ -53,7 +53,7 @@ def _softmax_row(x, lo, n):
         live[i] = live[i] * inv
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _softmax(x, out):
     T, n = x.shape
     for t in prange(T):
@@ -189,7 +189,7 @@ ATTENTION_TOKENS = 16  # tokens per job of one head, at most (see _attention)
 JOBS_PER_THREAD = 8  # at least, where the tokens allow: whole jobs split unevenly between threads
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _attention(q, k_new, v_new, k_base, v_base, ctx, starts, offsets, copies, layer, Hq, D, kv_of_head, scale,
                window, threads, out):
     """Causal attention of several sequences' queries, each against its own cache (over the last

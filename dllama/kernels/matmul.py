@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import FORMATS, QK, QType, dequantize
-from . import CACHE, read_only
+from . import CACHE, PARALLEL, read_only
 from .activations import Activations, Q8Activations, Q8KActivations, round_f16
 from .simd_float import (F16_STRIP_ROWS, F16_TILE_ROWS, F16_TILE_TOKENS, dot_f16_f16_vec, dot_f32_f32_vec, f16_at,
                           strip_f16_f32, tile_f16_f32)
@@ -129,13 +129,13 @@ def _pairwise_products(dot, w, fmt, xq, xd, xs, out):
 # The float32 and float64 products are kernels of their own: numba compiles a kernel's every branch,
 # and with a runtime `wide` flag each compiled the other's dots too (the warm-up of every format took
 # 223 CPU-s that way, 189 this way, on a 2-core x86)
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_quant(w, fmt, xq, xd, xds, out):
     """Quantized weights against Q8 activations."""
     _tiled_products(_dot_quant, _tile_quant, w, fmt, xq, xd, xds, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_quant_wide(w, fmt, xq, xd, xds, out):
     """_mm_quant accumulated in float64 (out is float64)."""
     _pairwise_products(_dot_quant_wide, w, fmt, xq, xd, xds, out)
@@ -278,7 +278,7 @@ def _packed_products(strip, tile, tail, wp, rows, n, tile_rows, tile_tokens, tai
             start, stop = take(shares, p, parts, chunk)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xt, xd, xs, out):
     """_mm_quant over packed rows."""
     _packed_products(_strip, _tile_packed, _tail_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
@@ -396,20 +396,20 @@ def _spanned_products(strip_span, tile_span, tail_span, wp, rows, n, tile_rows, 
             out[t, whole * n + i] = edge[t, i]
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_packed_spans(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xt, xd, xs, out):
     _spanned_products(_strip_span, _tile_span, _tail_span, wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens,
                       parts, fmt, xq, xt, xd, xs, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
     _spanned_products(_strip_span_wide, _tile_span, _tile_span, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd, xs,
                       out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
     _packed_products(_strip_wide, _tile_packed, _tile_packed, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd, xs, out)
@@ -443,13 +443,13 @@ def _tile_k_quant(w, fmt, xq, xd, xs, r, t, out):
         tile_q6_k_q8k(w, r, xq, xd, xs, t, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_quant(w, fmt, xq, xd, xs, out):
     """K-quant weights against Q8_K activations."""
     _tiled_products(_dot_k_quant, _tile_k_quant, w, fmt, xq, xd, xs, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_quant_wide(w, fmt, xq, xd, xs, out):
     """_mm_k_quant accumulated in float64 (out is float64)."""
     _pairwise_products(_dot_k_quant_wide, w, fmt, xq, xd, xs, out)
@@ -503,7 +503,7 @@ def _tail_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col):
         _tile_k_packed(wp, fmt, g, i0, xq, xd, xs, t, out, col)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_packed(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xd, xs, out):
     """_mm_k_quant over packed rows."""
     _packed_products(_strip_k, _tile_k_packed, _tail_k_packed, wp, rows, n, tile_rows, tile_tokens, tail_rows,
@@ -548,20 +548,20 @@ def _tail_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot):
         _tile_k_span(wp, fmt, g, i0, xq, xd, xs, t, out, col, s, carry, slot)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_packed_spans(wp, rows, n, tile_rows, tile_tokens, tail_rows, tail_tokens, parts, fmt, xq, xd, xs, out):
     _spanned_products(_strip_k_span, _tile_k_span, _tail_k_span, wp, rows, n, tile_rows, tile_tokens, tail_rows,
                       tail_tokens, parts, fmt, xq, xq, xd, xs, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_packed_spans_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
     _spanned_products(_strip_k_span_wide, _tile_k_span, _tile_k_span, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd,
                       xs, out)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_k_packed_wide(wp, rows, n, parts, fmt, xq, xd, xs, out):
     """Float64 strips only (no tiles: tile_tokens 0)."""
     _packed_products(_strip_k_wide, _tile_k_packed, _tile_k_packed, wp, rows, n, 1, 0, 1, 0, parts, fmt, xq, xq, xd,
@@ -591,7 +591,7 @@ def f16_tail(head, a, a_offset, b, b_offset, start, n):
 F16_ROW_BLOCK = 32  # rows that stay in L2 while each tile of tokens passes over them
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_f16(w, x16, x32, out):
     """dot_f16 of every (row, token). One token (decode): strips of F16_STRIP_ROWS rows, rows r,
     r + q, r + 2q, ... (q = rows / F16_STRIP_ROWS): each activation vector is loaded once for them,
@@ -628,7 +628,7 @@ def _mm_f16(w, x16, x32, out):
                 out[t, r] = dot_f16(w, r * row_stride, x16, t * cols, cols)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_f32(w, x, out):
     """In the order of GGML's single-token ggml_vec_dot_f32 (then a float32 tail past the last
     multiple of 32), like the F16 matmul: an F32 matrix (a MoE router) sums as llama.cpp's decode."""
@@ -644,7 +644,7 @@ def _mm_f32(w, x, out):
             out[t, r] = acc
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_f32_wide(w, x, out):
     """float64 accumulation of float64 products (each product of two f32 is exact)."""
     rows, cols = w.shape
@@ -657,7 +657,7 @@ def _mm_f32_wide(w, x, out):
             out[t, r] = acc
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _mm_f16_wide(w, x16, tbl, out):
     rows, cols = w.shape
     T = x16.shape[0]

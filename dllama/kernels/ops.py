@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..config import RopeScaling
-from . import CACHE, SERIAL_VALUES, read_only
+from . import CACHE, PARALLEL, SERIAL_VALUES, read_only
 from .simd_float import f16_bits, f32_bits, f32_from_bits, f64_bits, f64_from_bits, fma, fma64
 
 # ------------------------------------------------------------------ RMSNorm
@@ -81,7 +81,7 @@ def _rmsnorm_group(x, weight, eps, out, g):
         _rmsnorm_rows(x, weight, eps, out, t0)
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _rmsnorm(x, weight, eps, out):
     groups = (x.shape[0] + RMSNORM_ROWS - 1) // RMSNORM_ROWS
     if x.size <= SERIAL_VALUES:  # a few rows: no thread team
@@ -147,7 +147,7 @@ def _rope_head(x, cos, sin, neox, t, h):
         x[t, h, b] = fma(x0, sin[t, i], x1 * cos[t, i])
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _rope(x, cos, sin, neox):
     T, H, _ = x.shape
     if x.size <= SERIAL_VALUES:  # as _rmsnorm
@@ -271,7 +271,7 @@ def _silu_mul_row(gate, up, out):
         out[i] = g / (np.float32(1.0) + expf(np.float32(0.0) - g)) * up[i]
 
 
-@njit(parallel=True, nogil=True, cache=CACHE, error_model="numpy")
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE, error_model="numpy")
 def _silu_mul(gate, up, at, out):
     """out[t, i] = silu(gate[t, i]) * up[t, at + i]: each row's values as contiguous views, which
     LLVM vectorizes (as attention._softmax_row's)."""
@@ -355,7 +355,7 @@ def _gelu_mul_row(gate, up, table, out):
             out[i] = table[f16_bits(g)] * up[i]
 
 
-@njit(parallel=True, nogil=True, cache=CACHE)
+@njit(parallel=PARALLEL, nogil=True, cache=CACHE)
 def _gelu_mul(gate, up, at, table, out):
     """As _silu_mul, for GELU."""
     n = out.shape[1]

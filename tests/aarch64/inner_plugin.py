@@ -30,7 +30,7 @@ with warnings.catch_warnings():
 def pytest_configure(config):
     from llvmlite import binding as llvm_binding
 
-    from dllama.kernels import simd
+    from dllama.kernels import PARALLEL, simd
 
     machine, triple = platform.machine(), llvm_binding.get_process_triple()
     if machine != "aarch64" or not triple.startswith("aarch64") or simd._X86_AVX2:
@@ -40,7 +40,7 @@ def pytest_configure(config):
 
     cpu = numba_config.CPU_NAME or llvm_binding.get_host_cpu_name()  # what numba compiles for
     config._aarch64_check = (f"{CHECK_PREFIX} machine={machine} triple={triple} _X86_AVX2={simd._X86_AVX2} "
-                             f"cpu={cpu} dotprod={simd.AARCH64_DOTPROD}")
+                             f"cpu={cpu} dotprod={simd.AARCH64_DOTPROD} parallel={PARALLEL}")
 
 
 def pytest_report_header(config):

@@ -170,19 +170,23 @@ _MORE = ("matmul_on_column_slices or packed_rows or lane_sums or q8_ or row_kern
 # slices, packed rows, the activations' layouts
 _PI4 = {"DLLAMA_NO_DOTPROD": "1"}
 _PI5 = {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"}
+# The matmul runs compile numba's parallel loops as plain loops (the same bodies and intrinsics, the same
+# bits; one thread, as every run has): compiling each such loop as a function of its own was about half
+# of their time under qemu. The models' run keeps them, so the parallel kernels run on aarch64 too.
+_SERIAL = {"DLLAMA_SERIAL_KERNELS": "1"}
 RUNS = {  # name: (files, options, environment)
     # a Pi 4's Cortex-A72: NEON without the dot product, the quantized formats, Q5's fifth bits in the
     # generated code (and the quantizers, numpy on aarch64)
     "pi4": (["tests/test_kernels.py", "tests/test_quant.py"],
-            ["-k", f"not test_kernels or (({_FIRST}) and not F16 and not F32) or q5_fifth_bits"], _PI4),
+            ["-k", f"not test_kernels or (({_FIRST}) and not F16 and not F32) or q5_fifth_bits"], _PI4 | _SERIAL),
     # a Pi 5's Cortex-A76 (ARMv8.2 dot product: sdot, which qemu implements), every format, and sdot in the
     # generated code. (The float formats, no integer dots, are here rather than in the Pi 4's run: the two
     # runs then take about the same CPU and end together, instead of one running alone at the end.)
-    "pi5": (["tests/test_kernels.py"], ["-k", f"{_FIRST} or sdot", "-rA"], _PI5),
+    "pi5": (["tests/test_kernels.py"], ["-k", f"{_FIRST} or sdot", "-rA"], _PI5 | _SERIAL),
     # the slow set (make test-all): the rest of the matmul tests on both, long rows walked span by span
     # (the same Span code, NEON either way) on the Pi 5's
-    "pi4-more": (["tests/test_kernels.py"], ["-k", f"not span_by_span and ({_MORE})"], _PI4),
-    "pi5-more": (["tests/test_kernels.py"], ["-k", _MORE], _PI5),
+    "pi4-more": (["tests/test_kernels.py"], ["-k", f"not span_by_span and ({_MORE})"], _PI4 | _SERIAL),
+    "pi5-more": (["tests/test_kernels.py"], ["-k", _MORE], _PI5 | _SERIAL),
     # ... and the rest of the kernels, the split plan and whole models' batch invariance, on a Pi 4's
     "pi4-models": (["tests/test_plan.py", "tests/test_batch_invariance.py", "tests/test_kernels.py"],
                    ["-k", f"not span_by_span and not (test_kernels and ({_FIRST} or {_MORE} or q5_fifth_bits))"],
