@@ -4,16 +4,9 @@ On a CPU a decode step is bound by reading the weights, and on a cluster each la
 cost about the same for one token as for many: B sequences in one step cost little more than one.
 The `Batcher` keeps up to `engine.slots` sequences in flight, each in a KV cache slot of its own:
 
-- A request is admitted when a slot is idle and the KV budget can hold its prompt and its
-  max_tokens; until then it waits, in order of arrival (the server bounds that queue). It takes
-  the idle slot whose cache already holds the longest start of its prompt (the earlier turn of a
-  conversation), else an empty one, else the least recently used; idle slots are evicted, least
-  recently used first, when the budget needs their room. If another slot, running or idle, holds
-  a longer start of the prompt (the same system prompt, say), its keys and values are copied
-  into the new slot on every node instead of computed: the same tokens give the same bits. If a
-  request admitted before it is about to compute such a start (requests that arrive together),
-  it copies it in the step that computes it: every node makes a step's copies layer by layer,
-  after the step's keys and values and before its attention, so all of them start at once.
+- A request is admitted when a slot is idle and the KV budget can hold it, into the slot whose cache
+  holds the longest start of its prompt; a longer start held or about to be computed elsewhere is
+  copied, not computed (placement.py).
 - Each step carries the next token of every decoding sequence, then prompt tokens of the
   sequences still reading theirs, in order of arrival: while D sequences decode, at most
   max(`prefill_chunk` (64 by default), 256 / D) of them, so a long prompt delays the running
@@ -49,10 +42,10 @@ import logging
 import time
 from collections import deque
 
+from .placement import place, take_shared_start
 from .engine import Engine, SeqInput
 from .errors import DllamaError
-from .stream import Generation, Stream, _common_prefix
-from .kv_cache import round_capacity
+from .stream import Generation, Stream
 from .speculate import StepCost
 from .step import MAX_STEP_TOKENS
 
@@ -60,7 +53,6 @@ log = logging.getLogger("dllama.batching")
 
 PREFILL_CHUNK_WHILE_DECODING = 64  # prompt tokens per step while other sequences decode, at least
 PREFILL_DELAY_BUDGET = 256  # ... and up to this many over the number of decoding sequences
-MIN_SHARE_WAIT = 16  # prompt tokens another request must be about to compute for this one to wait a step
 # what a step carried, for /metrics: every sequence's next token, prompt tokens alone, or both
 STEP_KINDS = ("decode", "prompt", "mixed")
 
@@ -288,7 +280,7 @@ class Batcher:
                 continue
             if later and len(s.pending) > prefill:  # ... and after a step without the decoders, whole
                 continue
-            if s.share_from is not None and not self._take_shared_start(s, planned):
+            if s.share_from is not None and not take_shared_start(self.engine, self.active, s, planned):
                 continue
             n = min(len(s.pending), prefill)
             last = n == len(s.pending)
@@ -333,7 +325,7 @@ class Batcher:
             if s.cancelled:
                 self.waiting.popleft()
                 continue
-            if not self._place(s):
+            if not place(self.engine, self.active, self.last_used, s):
                 break  # the KV budget is held by running sequences: wait for one to finish
             self.waiting.popleft()
             self.active.append(s)
@@ -348,68 +340,3 @@ class Batcher:
                 for s in admitted:
                     s.finish(self.engine.stats, "error", _error_text(e))
                     self._leave(s)
-
-    def _place(self, s: Stream) -> bool:
-        """Give the request an idle slot with room for its prompt and max_tokens, if the budget allows."""
-        engine = self.engine
-        busy = {a.slot for a in self.active}
-        idle = [i for i in range(engine.slots) if i not in busy and i not in engine.copy_sources]
-        if not idle:
-            return False
-        # at least one prompt token must run, to produce logits
-        reused = {i: min(_common_prefix(engine.contexts[i], s.prompt), len(s.prompt) - 1) for i in idle}
-        slot = max(idle, key=lambda i: (reused[i], engine.capacities[i] == 0, -self.last_used[i]))
-        need = len(s.prompt) + s.max_tokens
-        held_by_running = sum(engine.capacities[a.slot] for a in self.active)
-        if held_by_running + round_capacity(min(need, engine.ctx_size)) > engine.kv_budget:
-            return False
-        sources = engine.copy_sources
-        for other in sorted((i for i in idle if i != slot and i not in sources), key=lambda i: self.last_used[i]):
-            if engine.fits(slot, need):
-                break
-            if engine.capacities[other]:
-                engine.release(other)
-        if not engine.fits(slot, need) and engine.capacities[slot]:  # its own old size is in the way
-            engine.release(slot)
-            reused[slot] = 0
-        if not engine.fits(slot, need):
-            return False
-        engine.rewind(reused[slot], slot)
-        engine.reserve(slot, need)
-        # another slot (running or idle) may hold a longer start of the prompt: the same system
-        # prompt, or the conversation so far; its keys and values are copied, not computed
-        own = reused[slot]
-        unsure = engine.copy_targets | engine.freeing  # caches the next step still changes
-        shared = {i: min(_common_prefix(engine.contexts[i], s.prompt), len(s.prompt) - 1)
-                  for i in range(engine.slots) if i != slot and i not in unsure}
-        source = max(shared, key=lambda i: shared[i], default=None)
-        if source is not None and shared[source] > own:
-            engine.share_prefix(source, slot, shared[source])
-            own = shared[source]
-        s.start(slot, own)
-        # a request admitted before it, still reading its prompt, may be about to compute a longer
-        # start of this one (requests that arrive together share the system prompt): copy it in the
-        # step that computes it (_take_shared_start)
-        ahead = {a: min(_common_prefix(a.prompt, s.prompt), len(s.prompt) - 1) for a in self.active if not a.decoding}
-        leader = max(ahead, key=lambda a: ahead[a], default=None)
-        if leader is not None and ahead[leader] >= own + MIN_SHARE_WAIT:
-            s.share_from = (leader, ahead[leader])
-        return True
-
-    def _take_shared_start(self, s: Stream, planned: dict[Stream, list[int]]) -> bool:
-        """A request waiting for a leader's prompt start copies it once the leader's cache holds it
-        or the step computes the rest of it (the copy is made in each layer after the step's keys
-        and values), or computes it itself if the leader left; else it skips the step (False)."""
-        engine = self.engine
-        leader, n = s.share_from
-        upcoming = planned.get(leader, [])
-        have = engine.contexts[leader.slot] + upcoming
-        if leader in self.active and len(have) < n:
-            return False  # not there yet
-        s.share_from = None  # (a slot the step frees or copies into is no source: compute it)
-        if leader.slot not in engine.copy_targets | engine.freeing \
-                and have[:n] == s.prompt[:n] and n > len(engine.contexts[s.slot]):
-            engine.share_prefix(leader.slot, s.slot, n, upcoming)
-            s.pending = s.prompt[n:]
-            s.out.prefill_tokens = len(s.pending)
-        return True

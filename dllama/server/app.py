@@ -31,7 +31,8 @@ from .connections import ConnectionGuard, GuardedProtocol
 from .api_errors import APIError, bad_request
 from .json_body import parse_json
 from .openai_schema import parse_chat, parse_completion
-from .state import ServerConfig, ServerState, ClientGone, compact_json
+from .event_stream import ClientGone, compact_json
+from .state import ServerConfig, ServerState
 
 log = logging.getLogger("dllama.server")
 
@@ -176,7 +177,7 @@ async def _errors_and_counts(request: web.Request, handler):
         guarded.request_started()
     try:
         if _needs_key(request):
-            state.check_key(request)
+            state.api_keys.check(request)
         resp = await handler(request)
         status = resp.status
         return resp

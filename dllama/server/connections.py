@@ -18,7 +18,7 @@ thin protocol that forwards everything to aiohttp's own RequestHandler, plus
   arrive do not re-arm it: dripping a request line byte by byte does not help;
 - a send buffer of SEND_BUFFER bytes: the kernel would otherwise grow it to megabytes for a client
   that reads nothing, so that a streamed answer never waits to be written and its write timeout
-  (state.py) never starts. Tokens come far slower than even a small buffer drains on any network.
+  (event_stream.py) never starts. Tokens come far slower than even a small buffer drains on any network.
 Only the public asyncio Protocol interface and aiohttp's documented protocol factory
 (`AppRunner.server`) are used, so nothing depends on aiohttp's internals.
 """
@@ -44,7 +44,7 @@ class ConnectionCounts:
     refused: int = 0  # over max_connections
     header_timeouts: int = 0  # no complete request (head) in time
     body_timeouts: int = 0  # counted by the application (app.py)
-    write_timeouts: int = 0  # streamed answers their clients stopped reading (state.py)
+    write_timeouts: int = 0  # streamed answers their clients stopped reading (event_stream.py)
 
 
 def _busy_response(max_connections: int) -> bytes:

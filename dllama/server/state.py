@@ -1,13 +1,10 @@
 """What the HTTP server knows and does besides routing: its configuration, the engine it drives
 (status, health, node details), prompts checked against the context, one generation streamed or
-answered whole, the figures of the last answer, and the API key check."""
+answered whole, and the figures of the last answer."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -16,41 +13,22 @@ from aiohttp import web
 
 from .. import __version__
 from ..cluster.node import rss_mb
-from ..errors import ContextOverflow, DllamaError, ModelError
+from ..errors import ModelError
 from ..generate import Generator
 from ..stream import Generation
 from ..sampling import SamplingParams
 from ..speculate import can_speculate
 from . import metrics as prom
 from .connections import ConnectionCounts
+from .event_stream import compact_json, stream_events
 from .api_errors import APIError, bad_request
+from .api_keys import ApiKeys
 from .admission import Admission, QueueTimeout, default_queued, default_running
 from .json_body import MAX_JSON_DEPTH
 from .openai_responses import Envelope, usage
 from .openai_schema import OPENAI_SAMPLING, GenerationRequest
 
 log = logging.getLogger("dllama.server")
-
-
-class ClientGone(Exception):
-    """A streaming client disconnected: nothing more to send, count it as 499."""
-
-    def __init__(self, response: web.StreamResponse):
-        super().__init__("client disconnected")
-        self.response = response
-
-
-def compact_json(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def _error_event(e: Exception) -> dict:
-    if isinstance(e, ContextOverflow):
-        return bad_request(str(e), code="context_length_exceeded").body()
-    if isinstance(e, DllamaError):
-        return APIError(500, str(e), type="server_error", code="engine_error").body()
-    return APIError(500, "Internal server error (see the server's log).", type="server_error").body()
-
 
 
 @dataclass
@@ -81,9 +59,7 @@ class ServerState:
         self.metrics = prom.Metrics()
         self.pending = 0  # generation requests taken: those generating and those waiting
         self.connections = ConnectionCounts()  # kept by the connection guard of start_server
-        # the keys' digests: compared with the digest of what a request sends, so the comparison
-        # takes the same time whatever the lengths (hmac.compare_digest only hides the content)
-        self.key_digests = [hashlib.sha256(key.encode()).digest() for key in config.api_keys]
+        self.api_keys = ApiKeys(config.api_keys)
         self.admission: Admission | None = None  # once the engine's slots are known
 
     def attach(self, runtime) -> None:
@@ -244,7 +220,7 @@ class ServerState:
         deadline = asyncio.get_running_loop().time() + config.queue_timeout  # to start generating
         self.pending += 1
         try:
-            async with self.admission.turn(self.client_of(request), deadline):
+            async with self.admission.turn(self.api_keys.client_of(request), deadline):
                 pieces: asyncio.Queue = asyncio.Queue()
                 started = asyncio.Event()
                 speculate = self.speculation(req)
@@ -255,19 +231,19 @@ class ServerState:
                 try:
                     await self._until_started(task, started, deadline)
                     if req.stream:
-                        return await self._stream(request, req, ids, task, pieces, env)
+                        return await stream_events(self, request, req, ids, task, pieces, env)
                     gen = await task
                 finally:
                     if not task.done():
                         task.cancel()
                         await asyncio.wait([task])  # its slot is freed at the batch's next step
-            self._record(ids, gen)
+            self.record(ids, gen)
             if gen.finish_reason == "error":
                 raise APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
                                type="server_error", code="engine_error",
                                extra={"partial_text": gen.text, "completion_tokens": len(gen.tokens)})
             token_ids = (ids, gen.tokens) if req.return_token_ids else None
-            return web.json_response(env.response(gen.text, gen.finish_reason, self._usage(ids, gen), token_ids),
+            return web.json_response(env.response(gen.text, gen.finish_reason, self.usage_of(ids, gen), token_ids),
                                      dumps=compact_json)
         finally:
             self.pending -= 1
@@ -289,66 +265,14 @@ class ServerState:
         if task.exception() is not None:
             raise task.exception()
 
-    async def _stream(self, request, req, ids, task: asyncio.Task, pieces: asyncio.Queue,
-                      env: Envelope) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-        usage_field = req.include_usage
-        write_timeout = self.config.write_timeout
-
-        async def write(data: bytes) -> None:
-            # a client that stops reading fills the socket's buffers, and then a write waits: for
-            # write_timeout at most, not for the rest of the answer with its slot held
-            await asyncio.wait_for(resp.write(data), write_timeout)
-
-        async def send(obj) -> None:
-            await write(b"data: " + compact_json(obj).encode() + b"\n\n")
-
-        try:
-            if req.kind == "chat":
-                await send(env.chunk("", role=True, with_usage_field=usage_field))
-            while (piece := await pieces.get()) is not None:
-                await send(env.chunk(piece, with_usage_field=usage_field))
-            try:
-                gen = task.result()
-            except Exception as e:
-                if not isinstance(e, DllamaError):
-                    log.exception("streamed generation failed")
-                await send(_error_event(e))
-                return resp
-            self._record(ids, gen)
-            if gen.finish_reason == "error":
-                await send(APIError(503, f"The generation failed after {len(gen.tokens)} tokens: {gen.error}",
-                                    type="server_error", code="engine_error",
-                                    extra={"completion_tokens": len(gen.tokens)}).body())
-                return resp  # no [DONE]: the client sees an error, not a short answer
-            await send(env.chunk(None, gen.finish_reason, with_usage_field=usage_field))
-            if req.include_usage:
-                await send(env.usage_chunk(self._usage(ids, gen)))
-            await write(b"data: [DONE]\n\n")
-            await asyncio.wait_for(resp.write_eof(), write_timeout)
-        except asyncio.TimeoutError:
-            self.connections.write_timeouts += 1
-            log.info("%s %s: the client read nothing for %g s; generation cancelled", request.method, request.path,
-                     write_timeout)
-            if request.transport is not None:
-                request.transport.abort()  # what it has not read is dropped with the connection
-            raise ClientGone(resp) from None
-        except ConnectionResetError:
-            # the client went away and a write noticed it before aiohttp cancelled this handler
-            log.info("%s %s: client disconnected; generation cancelled", request.method, request.path)
-            raise ClientGone(resp) from None
-        return resp
-
-    def _record(self, ids: list[int], gen: Generation) -> None:
+    def record(self, ids: list[int], gen: Generation) -> None:
         engine = self.runtime.engine
         self.metrics.count_generation(len(ids), len(ids) - gen.prefill_tokens, gen, gen.report(engine))
         if gen.finish_reason == "error":
             log.error("generation failed after %d tokens: %s", len(gen.tokens), gen.error)
 
     @staticmethod
-    def _usage(ids: list[int], gen: Generation) -> dict:
+    def usage_of(ids: list[int], gen: Generation) -> dict:
         return usage(len(ids), len(gen.tokens), len(ids) - gen.prefill_tokens)
 
     # ------------------------------------------------------------------ metrics
@@ -370,27 +294,3 @@ class ServerState:
             kv_in_use=0 if engine is None else sum(engine.capacities[slot] for slot in engine.in_use or ()),
             batcher=self.batcher, connections=self.connections)
         return prom.render(families)
-
-    # ------------------------------------------------------------------ authentication
-
-    def check_key(self, request: web.Request) -> int | None:
-        """With API keys: the request must send `Authorization: Bearer KEY` (as OpenAI's clients do)
-        with one of them. Which one (its index), or None without keys."""
-        if not self.key_digests:
-            return None
-        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer "
-                                "auth (Authorization: Bearer YOUR_KEY).", code="invalid_api_key")
-        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
-        matches = [hmac.compare_digest(given, digest) for digest in self.key_digests]  # (each compared)
-        if not any(matches):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return matches.index(True)
-
-    def client_of(self, request: web.Request) -> str:
-        """Who the per-client limits count a request against: its API key where the server has
-        several, else its address (admission.py)."""
-        if len(self.key_digests) > 1:
-            return f"key {self.check_key(request)}"  # (checked already: this finds which)
-        return request.remote or "unknown"
