@@ -72,9 +72,10 @@ def test_local_workers_report(one_node_tokens):
     assert r["nodes"] == 3 and r["sync"] == "ring" and r["sync_dtype"] == "f64"
     assert r["tokens"] == one_node_tokens
     # ring all-reduce: each node sends 2(p-1)/p of the vector per all-reduce, 2 per layer
-    # (30 layers, dim 576, 8-byte values), plus 16-byte frame headers
+    # (30 layers, dim 576, 8-byte values), plus 16-byte frame headers and the root's step messages (5.01%
+    # over once, with three test processes on 2 cores): star would send 3/2 of this, 10% still tells them apart
     payload = 2 * 30 * 2 * (3 - 1) / 3 * 576 * 8
-    assert payload <= r["bytes_per_token"]["sent"] <= payload * 1.05
+    assert payload <= r["bytes_per_token"]["sent"] <= payload * 1.10
     assert r["ms_per_token"]["sync"] > 0 and r["ms_per_token"]["compute"] > 0
 
 
