@@ -3,25 +3,22 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile root/llama-cpp.cmake | cksum | cut -d' ' -f1)
 # llama.cpp's AMX matmul crashes on some Sapphire Rapids machines (llama.cpp issue 20824: its tile
 # configuration is optimized away), so it is built without AMX wherever the compiler knows the flags
 # (x86 with GCC 11+ or clang: -march=native keeps the other features, AVX-512 where the CPU has it)
 AMX_OFF   := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 NO_AMX    := $(shell cc $(AMX_OFF) -E -x c /dev/null >/dev/null 2>&1 && echo '$(AMX_OFF)')
 # only the library the bindings load: not the multimodal one (mtmd, loaded only by llava chat handlers),
-# tools, examples or tests (benchmarks/build_llama_server.sh builds llama-server), nor llama.cpp's
-# `common` (argument parsing, chat parsers, a Jinja engine, an HTTP client: over half the build's CPU), which
-# the bindings do not load but their CMakeLists turns on with FORCE: a file that CMake includes right
-# after llama.cpp's project() turns it off again
-LLAMA_NO_COMMON := $(abspath $(VENV))/llama-no-common.cmake
+# tools, examples or tests (benchmarks/build_llama_server.sh builds llama-server), nor llama.cpp's `common`
+# (root/llama-cpp.cmake, which CMake includes right after llama.cpp's project(), turns it off)
 LLAMA_LIB_ONLY := -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-                  -DLLAMA_BUILD_TESTS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_NO_COMMON)
+                  -DLLAMA_BUILD_TESTS=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(abspath root/llama-cpp.cmake)
 LLAMA_CPP := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: install llama-cpp kernels model chat test test-all bytecode kernels-every-format aarch64 aarch64-runs reference-avx2 browser bench bench-deps clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile root/llama-cpp.cmake
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(MAKE) --jobs=2 --no-print-directory llama-cpp kernels
@@ -33,8 +30,7 @@ $(STAMP): pyproject.toml Makefile
 llama-cpp:
 	$(BIN)/python -c 'import llama_cpp, sys; sys.exit("$(LLAMA_CPP)" != "llama-cpp-python==" + llama_cpp.__version__ \
 	    or b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' 2>/dev/null \
-	    || { echo 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "" FORCE)' > $(LLAMA_NO_COMMON) \
-	    && CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" CMAKE_ARGS="$$CMAKE_ARGS $(LLAMA_LIB_ONLY)" \
+	    || { CFLAGS="$$CFLAGS $(NO_AMX)" CXXFLAGS="$$CXXFLAGS $(NO_AMX)" CMAKE_ARGS="$$CMAKE_ARGS $(LLAMA_LIB_ONLY)" \
 	    $(BIN)/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps '$(LLAMA_CPP)'; }
 
 # meanwhile, everything else, and the kernels the default model needs (compiled once, cached)

@@ -18,17 +18,13 @@ fi
 VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 echo "reference-avx2: building llama-cpp-python $VERSION for AVX2 without AVX-512 (a few minutes, once)"
 rm -rf "$TARGET"
-# only the library the bindings load, as the Makefile builds the native one: llama.cpp's `common` (over
-# half the build's CPU) is forced on by llama-cpp-python and turned off again right after project()
-NO_COMMON=$(pwd)/.reference-avx2.no-common.cmake
-echo 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "" FORCE)' > "$NO_COMMON"
+# only the library the bindings load, built as the Makefile builds the native one (root/llama-cpp.cmake)
 if CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
       -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF \
-      -DCMAKE_PROJECT_llama.cpp_INCLUDE=$NO_COMMON" \
+      -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(pwd)/root/llama-cpp.cmake" \
    "$PYTHON" -m pip install --quiet --no-cache-dir --no-deps --target "$TARGET" "llama-cpp-python==$VERSION"; then
-    rm -f "$NO_COMMON"
     touch "$TARGET/.built"
 else
-    rm -rf "$TARGET" "$NO_COMMON"
+    rm -rf "$TARGET"
     echo "reference-avx2: the build failed; the AVX2 cross-check is skipped"
 fi
