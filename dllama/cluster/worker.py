@@ -21,6 +21,7 @@ from ..step import NodeStep, Step
 from ..wire import InvalidMessage
 from ..net import ConnectionInbox, Listener
 from ..net.discovery import Advertiser
+from ..net.handshake import HANDSHAKE_TIMEOUT
 from ..sync import init_process_group
 from . import messages as M
 from . import protocol as P
@@ -49,8 +50,9 @@ class Worker:
         self.setup_timeout = setup_timeout
         self.inbox = ConnectionInbox()
         # (its peers check that it serves their session: see net/handshake.py)
+        # (a client silent in its handshake is a silent peer too: dropped after --timeout, if that is shorter)
         self.listener = Listener(self._on_connection, secret=secret, timeout=timeout, heartbeat=timeout / 4,
-                                 session=lambda: self.session_id)
+                                 session=lambda: self.session_id, handshake_timeout=min(HANDSHAKE_TIMEOUT, timeout))
         self.busy = False
         self.session_id: str | None = None  # the session being served: its peers may connect
         self.sessions_served = 0
