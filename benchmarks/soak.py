@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dllama.cluster.node import rss_mb
+from dllama.node import rss_mb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DLLAMA = [sys.executable, "-m", "dllama"]

@@ -19,8 +19,9 @@ from .gguf_model import GGUFModel
 from .kernels.matmul import SPANNED_TOKENS
 from .kernels.simd_q8 import TILE_TOKENS
 from .kv_cache import round_capacity
-from .model import ShardModel, ShardWeights
-from .plan import Plan, default_kv_budget
+from .model import ShardModel, ShardWeights, shard_tensors
+from .node import mem_available
+from .plan import Plan, check_fits, default_kv_budget, kv_cache_bytes, slice_peak_bytes
 from .projection import Reduce
 from .sampling import LogitSummary, SamplingParams
 from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
@@ -284,10 +285,16 @@ class LocalEngine(Engine):
                  kv_budget: int | None = None, compute_here: bool = False):
         super().__init__(slots, kv_budget, compute_here)
         self.config = model.config
-        self._set_budget(ctx_size)
+        shard = Plan.single(self.config).shards[0]
+        # the model and its KV cache must fit this machine's memory (its cgroups' limits too), as a
+        # cluster's root checks every node's: else the kernel would kill this process while it loads
+        held = slice_peak_bytes([t.nbytes for _name, t in shard_tensors(model, shard, "reduce")])
+        available = mem_available()
+        self._set_budget(ctx_size, [(available, held, shard.n_kv_heads)])
+        check_fits("this node", held + kv_cache_bytes(self.config, shard.n_kv_heads, self.kv_budget), available,
+                   "run it across workers with --workers, or lower --ctx-size or --kv-budget")
         self.sync = sync = sync.alone()
         self.embedding: Matrix = model.matrix("token_embd.weight")
-        shard = Plan.single(self.config).shards[0]
         # f64: the same float64 partial sums a cluster in f64 sync computes, for identical results;
         # either mode is the 1-node result on one node
         model = ShardModel(self.config, shard, ShardWeights.from_gguf(model, shard), ctx_size,

@@ -147,6 +147,20 @@ def kv_cache_bytes(config: ModelConfig, n_kv_heads: int, positions: int) -> int:
     return bytes_per_position(config, n_kv_heads) * round_capacity(positions)
 
 
+def slice_peak_bytes(tensor_bytes: list[int]) -> int:
+    """What a node's slice of the model (its part of each tensor) takes while it loads: every part, and
+    the largest once more (a part arrives whole, or is read from the file, before it is packed)."""
+    return sum(tensor_bytes) + max(tensor_bytes, default=0)
+
+
+def check_fits(node: str, needed: int, available: int | None, advice: str) -> None:
+    """A node's slice of the model and its KV cache must fit the memory it has (None: unknown, not
+    checked): refused before loading, rather than the kernel killing the process while it loads."""
+    if available is not None and needed > available:
+        raise DllamaError(f"model too big for the plan: {node} needs {needed / 1e6:.0f} MB for its slice and KV cache "
+                          f"but has {available / 1e6:.0f} MB available ({advice})")
+
+
 KV_SHARE_OF_FREE_RAM = 0.5  # the default KV budget's share of the memory left after the weights
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from dllama.cluster import messages as M
 from dllama.cluster import protocol as P
-from dllama.cluster.node import rss_mb
+from dllama.node import rss_mb
 from dllama.cluster.root import ClusterEngine
 from dllama.cluster.slices import make_entry, tensor_bytes
 from dllama.cluster.worker import Worker

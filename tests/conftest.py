@@ -155,8 +155,8 @@ def _aarch64_module(session):
 # while the other process had nothing left to do. Only the order: files not listed follow, as collected.
 LONGEST_FIRST = ("test_cluster_cli", "test_fidelity", "test_cluster_equivalence", "test_cli", "test_worker_fuzz",
                  "test_architectures", "test_discovery", "test_netns_cluster", "test_batch_invariance",
-                 "test_batching", "test_determinism", "test_worker_hardening", "test_node_lost", "test_speculate",
-                 "test_server", "test_fairness", "test_chat_page", "test_generate", "test_soak")
+                 "test_batching", "test_determinism", "test_worker_hardening", "test_node_lost", "test_home_cluster",
+                 "test_speculate", "test_server", "test_fairness", "test_chat_page", "test_generate", "test_soak")
 
 
 def _file_order(item) -> int:

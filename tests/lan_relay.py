@@ -15,23 +15,25 @@ overlap as on a wire. Its own cost (a few tens of microseconds a hop in Python) 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 
 CHUNK = 1 << 16
 
 
 class Relay:
-    """Listens on 127.0.0.1 (any free port) and forwards every connection to `target`."""
+    """Listens on `host` (127.0.0.1; port 0: any free one) and forwards every connection to `target`."""
 
-    def __init__(self, target: tuple[str, int], one_way_s: float, bytes_per_s: float | None = None):
+    def __init__(self, target: tuple[str, int], one_way_s: float, bytes_per_s: float | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
         self.target, self.one_way_s, self.bytes_per_s = target, one_way_s, bytes_per_s
+        self.host, self.port = host, port
         self.server: asyncio.AbstractServer | None = None
-        self.port = 0
         self.bytes = 0  # forwarded, both directions
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> "Relay":
-        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._connection, self.host, self.port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -120,3 +122,28 @@ class RelayThread:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _serve(listen: str, target: str, one_way_ms: float, mbit_per_s: float | None) -> None:
+    host, port = listen.rsplit(":", 1)
+    target_host, target_port = target.rsplit(":", 1)
+    relay = await Relay((target_host, int(target_port)), one_way_ms / 1e3,
+                        None if mbit_per_s is None else mbit_per_s * 1e6 / 8, host, int(port)).start()
+    print(f"relaying {relay.host}:{relay.port} to {target}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await relay.close()
+
+
+if __name__ == "__main__":  # a relay as a process of its own (in a network namespace: tests/home_cluster.py)
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A TCP relay that delays each direction (and paces it).")
+    parser.add_argument("listen", help="HOST:PORT to listen on")
+    parser.add_argument("target", help="HOST:PORT to forward to")
+    parser.add_argument("--one-way-ms", type=float, default=0.0)
+    parser.add_argument("--mbit", type=float, default=None, help="pace each direction to this rate")
+    args = parser.parse_args()
+    asyncio.run(_serve(args.listen, args.target, args.one_way_ms, args.mbit))

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import time
 
 import pytest
 
-from dllama.cluster.node import cgroup_headroom, mem_available
+from dllama.node import cgroup_headroom, mem_available
 
 from .cluster_helpers import WorkerProcess, run_dllama
+from .home_cluster import MemoryCgroup, Unavailable
 
 MB = 1_000_000
 
@@ -57,50 +57,22 @@ def test_the_tightest_cgroup_limit_counts_v2_and_hybrid(tmp_path):
 
 @contextlib.contextmanager
 def memory_cgroup(limit: int):
-    """A memory cgroup (v2 or v1, whichever the machine has, under this process's own) limited to
-    `limit` bytes: yields the file a process joins it by. Skips where neither can be made."""
-    lines = open("/proc/self/cgroup").read().splitlines()
-    v1 = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")), None)
-    v2 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
-    name = f"dllama-test-{os.getpid()}"
-    if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
-        parent = "/sys/fs/cgroup/memory" + v1
-        folder, limit_file = os.path.join(parent if os.path.isdir(parent) else "/sys/fs/cgroup/memory", name), \
-            "memory.limit_in_bytes"
-    elif v2 is not None and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-        folder, limit_file = os.path.join("/sys/fs/cgroup" + v2.rstrip("/"), name), "memory.max"
-    else:
-        pytest.skip("no memory cgroup controller here (v1 or v2)")
+    """A memory cgroup limited to `limit` bytes (tests/home_cluster.py), or a skip saying why none can be made."""
     try:
-        os.mkdir(folder)
-        with open(os.path.join(folder, limit_file), "w") as f:
-            f.write(str(limit))
-    except OSError as e:
-        pytest.skip(f"cannot make a memory cgroup here ({e})")
+        cgroup = MemoryCgroup(limit, f"dllama-test-{os.getpid()}")
+    except Unavailable as e:
+        pytest.skip(str(e))
     try:
-        yield os.path.join(folder, "cgroup.procs")
+        yield cgroup
     finally:
-        for _ in range(50):  # (its processes are gone once killed and reaped)
-            try:
-                os.rmdir(folder)
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
-def _join(procs_file: str):
-    def join():
-        with open(procs_file, "w") as f:
-            f.write(str(os.getpid()))
-
-    return join
+        cgroup.remove()
 
 
 def test_a_worker_in_a_memory_cgroup_refuses_what_does_not_fit_and_lives_on():
-    limit = 400 * MB
+    limit = 200 * MB  # (an idle worker holds ~50 MB of it: a 256-token context fits, an 8192-token one not)
     assert mem_available() > limit  # (else the kernel's figure alone would refuse it)
-    with memory_cgroup(limit) as procs:
-        worker = WorkerProcess(preexec_fn=_join(procs))
+    with memory_cgroup(limit) as cgroup:
+        worker = WorkerProcess(preexec_fn=cgroup.join)
         try:
             # the KV cache of a whole 8192-token context is more than the cgroup leaves it
             big = run_dllama("inference", "-p", "hi", "-n", "2", "--threads", "1", "--ctx-size", "8192",

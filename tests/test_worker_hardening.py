@@ -21,7 +21,7 @@ import pytest
 
 from dllama.cluster import messages as M
 from dllama.cluster import protocol as P
-from dllama.cluster.node import mem_available
+from dllama.node import mem_available
 from dllama.cluster.slice_cache import SliceCache
 from dllama.cluster.slices import TensorEntry
 from dllama.config import ModelConfig

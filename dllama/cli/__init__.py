@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "serve": "dllama.cli.serve_cmd:serve",
     "bench-sync": "dllama.cli.bench_sync_cmd:bench_sync",
     "models": "dllama.cli.models_cmd:models",
+    "plan": "dllama.cli.plan_cmd:plan",
 }
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, TypeVar
 from msgspec import Meta
 
 from ..config import ModelConfig
-from ..plan import Shard, kv_cache_bytes, shard_tensor_shapes
+from ..plan import Shard, kv_cache_bytes, shard_tensor_shapes, slice_peak_bytes
 from ..quant import QK, QType
 from ..kv_cache import MAX_SLOTS, POSITION_STEP, round_capacity
 from ..step import MAX_CTX, Step, TokenId
@@ -247,8 +247,9 @@ class Setup(_Message):
         return SyncConfig(self.algo, self.sync_mode, self.sync_dtype)
 
     def declared_bytes(self) -> int:
-        """What this worker must hold: its slices and its KV cache."""
-        return (sum(e.nbytes for e in self.manifest)
+        """What this worker must hold: its slice of the model (at its peak, while it loads:
+        plan.slice_peak_bytes) and its KV cache."""
+        return (slice_peak_bytes([e.nbytes for e in self.manifest])
                 + kv_cache_bytes(self.config, self.shard.n_kv_heads, self.kv_positions))
 
     @property

@@ -22,14 +22,14 @@ from ..errors import AuthError, DllamaError, NetworkError, VersionMismatch
 from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, shard_tensors
 from ..net.frames import pack_msg
-from ..plan import Plan, kv_cache_bytes
+from ..plan import Plan, check_fits, kv_cache_bytes, slice_peak_bytes
 from ..sampling import LogitSummary, SamplingParams
 from ..step import PREFILL_CHUNK, NodeStep, Step
 from ..sync import init_process_group
 from ..sync_config import SyncConfig
 from . import messages as M
 from . import protocol as P
-from .node import measure_speed, mem_available
+from ..node import measure_speed, mem_available
 from .link import WorkerLink, answers
 from .slices import make_entry
 from .sync_mode import reduce_fits, settle_sync
@@ -207,17 +207,14 @@ class ClusterEngine(Engine):
 
     def _check_memory(self) -> None:
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
-        weights = [sum(t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode))
+        weights = [slice_peak_bytes([t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode)])
                    for shard in self.plan.shards]
         if not self.kv_budget_given and self.kv_used == 0:  # (never under sequences' reservations)
             self._set_budget(self.ctx_size, [(available, w, shard.n_kv_heads) for (_name, available), w, shard
                                              in zip(nodes, weights, self.plan.shards)])
         for (name, available), shard, held in zip(nodes, self.plan.shards, weights):
-            kv_cache = kv_cache_bytes(self.config, shard.n_kv_heads, self.kv_budget)
-            if available is not None and held + kv_cache > available:
-                raise DllamaError(f"model too big for the plan: {name} needs {(held + kv_cache) / 1e6:.0f} MB "
-                                  f"for its slice and KV cache but has {available / 1e6:.0f} MB available "
-                                  "(add workers, shift --weights, or lower --ctx-size or --kv-budget)")
+            check_fits(name, held + kv_cache_bytes(self.config, shard.n_kv_heads, self.kv_budget), available,
+                       "add workers, shift --weights, or lower --ctx-size or --kv-budget")
 
     def _setup(self, w: WorkerLink, manifest) -> M.Setup:
         return M.Setup(session=self.session, rank=w.rank, world=self.n_nodes,

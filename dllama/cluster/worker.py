@@ -25,7 +25,7 @@ from ..net.handshake import HANDSHAKE_TIMEOUT
 from ..sync import init_process_group
 from . import messages as M
 from . import protocol as P
-from .node import measure_speed, mem_available, rss_mb
+from ..node import measure_speed, mem_available, rss_mb
 from .slice_cache import SliceCache
 from .slices import checksum, from_bytes
 
@@ -34,7 +34,10 @@ log = logging.getLogger("dllama.worker")
 SETUP_TIMEOUT = 10.0  # default --setup-timeout: a root that connected must say PROBE or SETUP this soon
 PLAN_TIMEOUT = 120.0  # after its PROBE, a root plans and checksums every slice before it sends SETUP
 GO_TIMEOUT = 120.0  # after LOADED, the root waits until every other worker has its slices too
-MEMORY_MARGIN = 256 << 20  # what the interpreter, the kernels and a step's activations need besides
+# what a step's activations and logits and the messages in flight need besides a session's slices and KV
+# cache (the interpreter is in the figure it is taken from; measured: a worker in a memory cgroup used ~2 MB
+# more than its slices and KV cache over a session of the default model, with its kernels' code)
+MEMORY_MARGIN = 64 << 20
 BUSY_LOG_EVERY = 10.0  # seconds between two log lines about roots refused while busy
 COLLECT_AFTER = 16 << 20  # a session that held this many bytes is garbage-collected at its end
 

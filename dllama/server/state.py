@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from .. import __version__
-from ..cluster.node import rss_mb
+from ..node import rss_mb
 from ..errors import ModelError
 from ..generate import Generator
 from ..stream import Generation

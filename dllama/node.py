@@ -1,5 +1,5 @@
-"""What a node of a cluster tells about itself: the memory it can take (its cgroups' limits included),
-its RSS, its speed."""
+"""What a node (alone, or a cluster's root or worker) tells about itself: the memory it can take (its
+cgroups' limits included), its RSS, its speed."""
 
 from __future__ import annotations
 
@@ -113,9 +113,9 @@ def rss_mb(pid: int | None = None) -> float:
 def measure_speed(seconds: float = 0.3) -> float:
     """This node's matmul throughput in GMAC/s on a Q4_0 layer-sized matrix: the figure the
     root uses to split the model in proportion when asked (--weights auto)."""
-    from ..kernels.activations import Activations
-    from ..kernels.matmul import matmul
-    from ..quant import QType, quantize
+    from .kernels.activations import Activations
+    from .kernels.matmul import matmul
+    from .quant import QType, quantize
 
     rng = np.random.default_rng(0)
     w = quantize(rng.standard_normal((1024, 1024), dtype=np.float32), QType.Q4_0)
