@@ -180,7 +180,9 @@ def _values(rng: np.random.Generator, name: str, shape, is_matrix: bool) -> np.n
     # scaled like a trained model's init so activations stay in a realistic range; a router
     # sharp enough that tokens prefer some experts clearly
     std = 0.05 if name == "token_embd.weight" else (4.0 if "ffn_gate_inp" in name else 0.5) / np.sqrt(shape[-1])
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(std)  # (in place: a big tensor is not copied)
+    return values
 
 
 def _encode(values: np.ndarray, qtype: GGML) -> np.ndarray:

@@ -27,7 +27,8 @@ from .aarch64 import runs
 RUN_OF_TEST = {"test_kernels_on_aarch64_under_qemu": "pi4", "test_dot_product_kernels_on_aarch64_under_qemu": "pi5",
                "test_more_kernels_on_aarch64_under_qemu": "pi4-more",
                "test_more_dot_product_kernels_on_aarch64_under_qemu": "pi5-more",
-               "test_models_on_aarch64_under_qemu": "pi4-models"}
+               "test_models_on_aarch64_under_qemu": "pi4-models",
+               "test_parallel_kernels_on_aarch64_under_qemu": "pi4-parallel"}
 
 
 @pytest.fixture
@@ -98,3 +99,10 @@ def test_models_on_aarch64_under_qemu(inner_result, report_in_summary):
     """The other kernels (norms, RoPE, attention, activations), the split plan, and whole models'
     logits independent of the chunking, on a Pi 4's CPU."""
     _check(inner_result, report_in_summary, "aarch64 under qemu (other kernels, plan, models)", False)
+
+
+@pytest.mark.slow
+def test_parallel_kernels_on_aarch64_under_qemu(inner_result, report_in_summary):
+    """The other runs compile numba's parallel loops as plain ones: here they are parallel loops, on
+    the first Q4_0 matmuls of a Pi 4's CPU."""
+    _check(inner_result, report_in_summary, "aarch64 under qemu (parallel kernels: the Q4_0 matmuls)", False)

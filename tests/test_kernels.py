@@ -15,7 +15,7 @@ import pytest
 from numba import njit
 
 from dllama.config import RopeScaling
-from dllama.kernels import ops
+from dllama.kernels import PARALLEL, ops
 from dllama.kernels.activations import (PAIR_LANE_QUADS, PAIR_LANES_ALTERNATE, PAIRED_BLOCK_BYTES, STARTS_BLOCK_BYTES,
                                         Activations, Q8Activations, Q8KActivations, pair_q8_ref, q8_starts_ref,
                                         round_f16)
@@ -98,6 +98,7 @@ for T in (1, 9):  # one pair at a time, and tiles
 """
 
 
+@pytest.mark.skipif(not PARALLEL, reason="this process's kernels are serial too (DLLAMA_SERIAL_KERNELS): none to compare")
 def test_serial_kernels_give_the_parallel_kernels_bits(tmp_path):
     """DLLAMA_SERIAL_KERNELS (the emulated aarch64 runs' kernels, tests/aarch64/runs.py): numba's parallel
     loops compiled as plain loops give the bits of the parallel kernels, which run here on 2 threads."""

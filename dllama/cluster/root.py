@@ -22,6 +22,7 @@ from ..errors import AuthError, DllamaError, NetworkError, VersionMismatch
 from ..gguf_model import GGUFModel
 from ..model import ShardModel, ShardWeights, shard_tensors
 from ..net.frames import pack_msg
+from ..node import measure_speed, mem_available
 from ..plan import Plan, check_fits, kv_cache_bytes, slice_peak_bytes
 from ..sampling import LogitSummary, SamplingParams
 from ..step import PREFILL_CHUNK, NodeStep, Step
@@ -29,7 +30,6 @@ from ..sync import init_process_group
 from ..sync_config import SyncConfig
 from . import messages as M
 from . import protocol as P
-from ..node import measure_speed, mem_available
 from .link import WorkerLink, answers
 from .slices import make_entry
 from .sync_mode import reduce_fits, settle_sync

@@ -22,10 +22,10 @@ from ..wire import InvalidMessage
 from ..net import ConnectionInbox, Listener
 from ..net.discovery import Advertiser
 from ..net.handshake import HANDSHAKE_TIMEOUT
+from ..node import measure_speed, mem_available, rss_mb
 from ..sync import init_process_group
 from . import messages as M
 from . import protocol as P
-from ..node import measure_speed, mem_available, rss_mb
 from .slice_cache import SliceCache
 from .slices import checksum, from_bytes
 

@@ -28,7 +28,8 @@ CHROOT = ROOT / ".aarch64"
 ROOTFS = CHROOT / "rootfs"
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 # How long a run may take from its start (a hang ends there): a slower machine must not fail for time alone
-TIMEOUT = 2400
+# (make test-all's four runs share 2 cores with the host tests: the models' run alone took 17 min)
+TIMEOUT = 3600
 # The runs the default suite reads (the others are marked slow): `make test` starts them with the chroot
 SUITE_RUNS = ("pi4", "pi5")
 
@@ -170,9 +171,10 @@ _MORE = ("matmul_on_column_slices or packed_rows or lane_sums or q8_ or row_kern
 # slices, packed rows, the activations' layouts
 _PI4 = {"DLLAMA_NO_DOTPROD": "1"}
 _PI5 = {"NUMBA_CPU_NAME": "cortex-a76", "NUMBA_CPU_FEATURES": "+neon,+dotprod"}
-# The matmul runs compile numba's parallel loops as plain loops (the same bodies and intrinsics, the same
-# bits; one thread, as every run has): compiling each such loop as a function of its own was about half
-# of their time under qemu. The models' run keeps them, so the parallel kernels run on aarch64 too.
+# The runs compile numba's parallel loops as plain loops (the same bodies and intrinsics, the same bits;
+# one thread, as every run has): compiling each such loop as a function of its own was about half of
+# their time under qemu (the models' run with them did 11 of its 112 tests in 40 min beside the rest of
+# make test-all). One run keeps them, on the first Q4_0 matmul, so the parallel kernels run on aarch64 too.
 _SERIAL = {"DLLAMA_SERIAL_KERNELS": "1"}
 RUNS = {  # name: (files, options, environment)
     # a Pi 4's Cortex-A72: NEON without the dot product, the quantized formats, Q5's fifth bits in the
@@ -190,7 +192,9 @@ RUNS = {  # name: (files, options, environment)
     # ... and the rest of the kernels, the split plan and whole models' batch invariance, on a Pi 4's
     "pi4-models": (["tests/test_plan.py", "tests/test_batch_invariance.py", "tests/test_kernels.py"],
                    ["-k", f"not span_by_span and not (test_kernels and ({_FIRST} or {_MORE} or q5_fifth_bits))"],
-                   _PI4),
+                   _PI4 | _SERIAL),
+    # ... and the parallel kernels (numba's parallel loops), on the first Q4_0 matmul
+    "pi4-parallel": (["tests/test_kernels.py"], ["-k", "matmul_matches_reference and Q4_0"], _PI4),
 }
 
 
