@@ -1,9 +1,9 @@
 """The planner: which nodes a model runs on, each one's share and the sync mode, chosen from what was
 measured, with the milliseconds per token each candidate is predicted to take (compute + sync).
 
-What it sees of each node: its matmul rate (GMAC/s, measured by every node at the same time, so
-nodes that share a machine's cores and memory bus share it in the figures too) and the memory it
-admits; of the network, the slowest link's seconds per message and per byte (as `--sync-mode auto`
+What it sees of each node: its matmul rate (GMAC/s: the workers measure at the same time, so
+workers that share a machine's cores share them in the figures too; the root measures after) and the
+memory it admits; of the network, the slowest link's seconds per message and per byte (as `--sync-mode auto`
 times them). A token's time is the slowest node's compute (the nodes wait for each other at every
 sync point) plus the collectives' cost model for the sync mode (sync_config). The candidates: the root
 with the k fastest workers, k = 0..all, each split in proportion to speed as far as memory allows;
