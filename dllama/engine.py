@@ -19,9 +19,9 @@ from .gguf_model import GGUFModel
 from .kernels.matmul import SPANNED_TOKENS
 from .kernels.simd_q8 import TILE_TOKENS
 from .kv_cache import round_capacity
-from .model import ShardModel, ShardWeights, shard_tensors
+from .model import ShardModel, ShardWeights, shard_peak_bytes
 from .node import mem_available
-from .plan import Plan, check_fits, default_kv_budget, kv_cache_bytes, slice_peak_bytes
+from .plan import Plan, check_fits, default_kv_budget, kv_cache_bytes
 from .projection import Reduce
 from .sampling import LogitSummary, SamplingParams
 from .step import PREFILL_CHUNK, Copy, NodeStep, Seq, Step
@@ -288,8 +288,7 @@ class LocalEngine(Engine):
         shard = Plan.single(self.config).shards[0]
         # the model and its KV cache must fit this machine's memory (its cgroups' limits too), as a
         # cluster's root checks every node's: else the kernel would kill this process while it loads
-        held = slice_peak_bytes([t.nbytes for _name, t in shard_tensors(model, shard, "reduce")])
-        available = mem_available()
+        held, available = shard_peak_bytes(model, shard), mem_available()
         self._set_budget(ctx_size, [(available, held, shard.n_kv_heads)])
         check_fits("this node", held + kv_cache_bytes(self.config, shard.n_kv_heads, self.kv_budget), available,
                    "run it across workers with --workers, or lower --ctx-size or --kv-budget")

@@ -21,7 +21,7 @@ from .kernels.attention import CacheSpans, attend
 from .kernels.ops import gelu_mul, rmsnorm, rope_angles, rotate, silu_mul, softcap
 from .moe import RoutedDown, expert_activations, route
 from .kv_cache import KVCache, round_capacity
-from .plan import Shard
+from .plan import Shard, slice_peak_bytes
 from .quant import FORMATS
 from .projection import ALONE, Collectives, Gather, Reduce
 from .weights import Experts, Matrix, stack_rows
@@ -147,6 +147,11 @@ _FIELD = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "w
           "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
           "post_attention_norm": "attn_post_norm", "post_ffw_norm": "ffn_post_norm",
           "ffn_gate_inp": "router", "ffn_gate_exps": "w_gate", "ffn_up_exps": "w_up", "ffn_down_exps": "w_down"}
+
+
+def shard_peak_bytes(model: GGUFModel, shard: Shard, mode: str = "reduce") -> int:
+    """What a node holding `shard` needs for its tensors while it loads (plan.slice_peak_bytes)."""
+    return slice_peak_bytes([t.nbytes for _name, t in shard_tensors(model, shard, mode)])
 
 
 def shard_tensors(model: GGUFModel, shard: Shard,

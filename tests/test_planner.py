@@ -9,8 +9,7 @@ import pytest
 
 from dllama.errors import DllamaError
 from dllama.gguf_model import GGUFModel
-from dllama.model import shard_tensors
-from dllama.plan import slice_peak_bytes
+from dllama.model import shard_peak_bytes
 from dllama.planner import NodeFigures, candidates, choose, fill
 from dllama.sync_config import LinkFigures, SyncConfig
 
@@ -27,7 +26,7 @@ def model(model_path):
 
 def _plan(model, nodes, link=LAN, sync="auto", ctx=256):
     def slice_bytes(plan, mode):
-        return [slice_peak_bytes([t.nbytes for _n, t in shard_tensors(model, s, mode)]) for s in plan.shards]
+        return [shard_peak_bytes(model, s, mode) for s in plan.shards]
 
     found = candidates(model.config, nodes, link, SyncConfig(mode=sync), slice_bytes, ctx)
     return found, choose(found)

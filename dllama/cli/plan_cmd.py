@@ -28,11 +28,11 @@ def plan(model, workers, ctx_size, sync_mode, secret, timeout, as_json):
     candidate (which nodes, their shares, the sync mode) with its predicted milliseconds per token,
     and the one chosen: the fastest that fits, leaving out nodes that slow the cluster down."""
     from ..cluster.survey import survey
+    from ..cluster.sync_mode import gathers_q8
     from ..gguf_model import GGUFModel
-    from ..model import shard_tensors
-    from ..plan import Plan, slice_peak_bytes
+    from ..model import shard_peak_bytes
+    from ..plan import Plan
     from ..planner import candidates, choose
-    from ..projection import Gather
     from ..registry import resolve_model
     from ..sync_config import SyncConfig
 
@@ -41,13 +41,9 @@ def plan(model, workers, ctx_size, sync_mode, secret, timeout, as_json):
     figures, link = run_async(survey([a for a in workers.split(",") if a], secret or None, timeout))
 
     def slice_bytes(plan, mode):
-        return [slice_peak_bytes([t.nbytes for _name, t in shard_tensors(gguf, shard, mode)]) for shard in plan.shards]
+        return [shard_peak_bytes(gguf, shard, mode) for shard in plan.shards]
 
-    # whether a gather of the attention's and the FFN's outputs can travel as Q8 blocks (as settle_sync asks)
-    gather = Gather.of(Plan.split(config, [1.0, 1.0]).shards, config.head_dim, q8=True)
-    down = "ffn_down_exps" if config.n_experts else "ffn_down"
-    q8_attention, q8_ffn = (gather.sends_q8(gguf.qtype_of(gguf.layer_name(0, part)), cols)
-                            for part, cols in (("attn_output", "att"), (down, "ffn")))
+    q8_attention, q8_ffn = gathers_q8(gguf, Plan.split(config, [1.0, 1.0]).shards)
     found = candidates(config, figures, link, SyncConfig(mode=sync_mode), slice_bytes, ctx_size, q8_attention, q8_ffn)
     chosen = choose(found)
     if as_json:

@@ -20,10 +20,10 @@ from tqdm import tqdm
 from ..engine import Engine
 from ..errors import AuthError, DllamaError, NetworkError, VersionMismatch
 from ..gguf_model import GGUFModel
-from ..model import ShardModel, ShardWeights, shard_tensors
+from ..model import ShardModel, ShardWeights, shard_peak_bytes, shard_tensors
 from ..net.frames import pack_msg
 from ..node import measure_speed, mem_available
-from ..plan import Plan, check_fits, kv_cache_bytes, slice_peak_bytes
+from ..plan import Plan, check_fits, kv_cache_bytes
 from ..sampling import LogitSummary, SamplingParams
 from ..step import PREFILL_CHUNK, NodeStep, Step
 from ..sync import init_process_group
@@ -207,8 +207,7 @@ class ClusterEngine(Engine):
 
     def _check_memory(self) -> None:
         nodes = [("the root", mem_available())] + [(w.name, w.mem_available) for w in self.workers]
-        weights = [slice_peak_bytes([t.nbytes for _name, t in shard_tensors(self.model_file, shard, self.sync.mode)])
-                   for shard in self.plan.shards]
+        weights = [shard_peak_bytes(self.model_file, shard, self.sync.mode) for shard in self.plan.shards]
         if not self.kv_budget_given and self.kv_used == 0:  # (never under sequences' reservations)
             self._set_budget(self.ctx_size, [(available, w, shard.n_kv_heads) for (_name, available), w, shard
                                              in zip(nodes, weights, self.plan.shards)])

@@ -11,9 +11,9 @@ import uuid
 from ..errors import DllamaError
 from ..node import measure_speed, mem_available
 from ..planner import NodeFigures
-from ..sync.auto import Auto
 from ..sync_config import LinkFigures
 from .link import WorkerLink, parse_address
+from .sync_mode import time_links
 
 
 async def survey(addresses: list[str], secret: str | None, timeout: float = 30.0) -> tuple[list[NodeFigures], LinkFigures]:
@@ -29,12 +29,10 @@ async def survey(addresses: list[str], secret: str | None, timeout: float = 30.0
         # the root's own once they are done: while they compile their probe's kernel, a root with a thread
         # per core measured up to 100x less (OpenMP's barriers spin on an oversubscribed machine)
         root_rate = await asyncio.to_thread(measure_speed)
-        timings = [await w.time_link() for w in links]  # one at a time: at once they would share the root's link
+        link = await time_links(links)
     finally:
         for w in links:
             await w.end()
     figures = [NodeFigures.of("the root", root_rate, mem_available())]
     figures += [NodeFigures.of(w.name, w.gmacs, w.mem_available) for w in links]
-    link = LinkFigures(alpha=max((a for a, _ in timings), default=0.0), beta=max((b for _, b in timings), default=0.0),
-                       gamma=Auto.time_reduce())
     return figures, link

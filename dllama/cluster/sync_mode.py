@@ -28,6 +28,22 @@ def reduce_fits(model: GGUFModel, shards) -> bool:
     return True
 
 
+async def time_links(workers) -> LinkFigures:
+    """The slowest of the root's links to `workers` (WorkerLinks, probed), and a local reduction's cost."""
+    timings = [await w.time_link() for w in workers]  # one at a time: at once they would share the root's link
+    return LinkFigures(alpha=max((a for a, _ in timings), default=0.0), beta=max((b for _, b in timings), default=0.0),
+                       gamma=Auto.time_reduce())
+
+
+def gathers_q8(model: GGUFModel, shards) -> tuple[bool, bool]:
+    """Whether gather mode's all-gathers of the attention's and the FFN's outputs may travel as Q8
+    blocks (the matmul after each reads Q8 activations)."""
+    down = "ffn_down_exps" if model.config.n_experts else "ffn_down"
+    gather = Gather.of(shards, model.config.head_dim, q8=True)
+    return tuple(gather.sends_q8(model.qtype_of(model.layer_name(0, part)), cols)
+                 for part, cols in (("attn_output", "att"), (down, "ffn")))
+
+
 async def settle_sync(requested: SyncConfig, model: GGUFModel, workers, shards) -> tuple[SyncConfig, dict | None]:
     """The sync configuration of a session over `workers` (WorkerLinks, probed) with the split
     plan's `shards`, and with auto the figures it was chosen from (None otherwise)."""
@@ -42,13 +58,9 @@ async def settle_sync(requested: SyncConfig, model: GGUFModel, workers, shards) 
         reason = "the only mode this split and --sync-dtype allow"
         log.info("sync mode auto: %s, %s", candidates[0].label, reason)
         return candidates[0], {"chosen": candidates[0].label, "reason": reason}
-    timings = [await w.time_link() for w in workers]  # one at a time: at once they would share the root's link
-    link = LinkFigures(alpha=max(a for a, _ in timings), beta=max(b for _, b in timings), gamma=Auto.time_reduce())
+    link = await time_links(workers)
     config = model.config
-    down = "ffn_down_exps" if config.n_experts else "ffn_down"
-    gather = Gather.of(shards, config.head_dim, q8=True)
-    q8_attention, q8_ffn = (gather.sends_q8(model.qtype_of(model.layer_name(0, part)), cols)
-                            for part, cols in (("attn_output", "att"), (down, "ffn")))
+    q8_attention, q8_ffn = gathers_q8(model, shards)
     chosen, predicted = requested.choose(config, len(workers) + 1, link, q8_attention, q8_ffn, candidates)
     figures = {"chosen": chosen.label, "link": link.describe(), "alpha_s": link.alpha, "beta_s_per_byte": link.beta,
                "predicted_sync_ms_per_token": {label: t * 1e3 for label, t in predicted.items()}}
